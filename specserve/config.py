@@ -1,0 +1,68 @@
+"""Engine and speculative-decoding configuration, validated once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from specserve.errors import InvalidParameterError
+
+SPEC_METHODS = ("ngram", "draft_model")
+# Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """What `speculative_config={...}` accepts, with vLLM's key names."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None  # the draft model for method "draft_model"
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise InvalidParameterError("speculative_config.method", self.method, f"must be one of {', '.join(SPEC_METHODS)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameterError("num_speculative_tokens", k, f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.method == "ngram":
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                    raise InvalidParameterError(name, v, "must be an integer in [1, 64]")
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise InvalidParameterError(
+                    "prompt_lookup_min", self.prompt_lookup_min,
+                    f"must be <= prompt_lookup_max ({self.prompt_lookup_max})",
+                )
+        if self.method == "draft_model" and not self.model:
+            raise InvalidParameterError("speculative_config.model", self.model, "method 'draft_model' needs the draft model's path")
+
+    @classmethod
+    def from_dict(cls, d: dict | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":
+        if d is None or isinstance(d, cls):
+            return d
+        if not isinstance(d, dict):
+            raise InvalidParameterError("speculative_config", d, "must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidParameterError("speculative_config", unknown, f"unknown keys; allowed: {', '.join(sorted(known))}")
+        if "method" not in d:
+            raise InvalidParameterError("speculative_config.method", None, f"is required; one of {', '.join(SPEC_METHODS)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    max_model_len: int  # tokens of context per request (prompt + output)
+    max_num_seqs: int  # requests decoded together
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_num_seqs <= 4096:
+            raise InvalidParameterError("max_num_seqs", self.max_num_seqs, "must be in [1, 4096]")
+        if self.max_model_len < 2:
+            raise InvalidParameterError("max_model_len", self.max_model_len, "must be >= 2")

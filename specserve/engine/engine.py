@@ -1,0 +1,194 @@
+"""The engine step: schedule -> execute -> update, with speculation as propose -> verify ->
+accept -> commit inside the execute/update of a decode step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.request import Request, Status
+from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.engine.scheduler import Scheduler
+from specserve.errors import PromptError
+from specserve.model.loader import LoadedModel
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.sample import SamplingTensors, VerifyOutput, make_generator, verify
+from specserve.sampling_params import SamplingParams
+from specserve.spec import DraftProposal, Proposer, SpecRequest, VerifyFeedback
+from specserve.tokenizer import IncrementalDetokenizer
+
+
+class LLMEngine:
+    def __init__(self, target: LoadedModel, config: EngineConfig, proposer: Proposer | None = None,
+                 num_speculative_tokens: int = 0):
+        self.target = target
+        self.tokenizer = target.tokenizer
+        self.config = config
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer else 0
+        self.runner = ModelRunner(target.model, config.max_num_seqs, config.max_model_len)
+        self.scheduler = Scheduler(config.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    prompt: str | None = None, use_speculation: bool = True) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise PromptError("the prompt is empty; give at least one token of text")
+        limit = self.config.max_model_len
+        if len(ids) >= limit:
+            raise PromptError(
+                f"the prompt has {len(ids)} tokens but the context is {limit} tokens (max_model_len), "
+                "which must also leave room for at least one generated token"
+            )
+        vocab = self.target.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        req = Request(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=ids,
+            params=params,
+            generator=make_generator(params.seed, self.runner.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            num_speculative_tokens=self.num_speculative_tokens if use_speculation else 0,
+        )
+        req.metrics.num_prompt_tokens = len(ids)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            req.abort()
+            self._release(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        batch = sched.prefill or sched.decode
+        if sched.prefill:
+            self._prefill(sched.prefill)
+        else:
+            self._decode(sched.decode)
+        outputs = [self._output(r) for r in batch]
+        for r in batch:
+            if r.finished:
+                self._release(r)
+        return outputs
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        fb = ForwardBatch([r.slot for r in reqs], [0] * len(reqs), [r.prompt_token_ids for r in reqs], all_logits=False)
+        logits = self.runner.execute(fb)  # [B, 1, V]
+        empty = DraftProposal.empty(len(reqs), logits.device)
+        out = self._verify(reqs, empty, logits)
+        for i, r in enumerate(reqs):
+            r.append_token(int(out.output_token_ids[i, 0]), self.config.max_model_len)
+            r.num_computed_tokens = r.num_tokens - 1
+
+    def _decode(self, reqs: list[Request]) -> None:
+        t0 = time.perf_counter()
+        proposal = self._propose(reqs)
+        t1 = time.perf_counter()
+        n_draft = proposal.num_draft.tolist()
+        drafts = proposal.draft_token_ids.tolist()
+        fb = ForwardBatch(
+            [r.slot for r in reqs],
+            [r.num_computed_tokens for r in reqs],
+            [r.all_token_ids[r.num_computed_tokens:] + drafts[i][: n_draft[i]] for i, r in enumerate(reqs)],
+            all_logits=True,
+        )
+        logits = self.runner.execute(fb)  # [B, 1 + k_max, V]
+        out = self._verify(reqs, proposal, logits)
+        self.runner.synchronize()
+        t2 = time.perf_counter()
+        self._commit(reqs, n_draft, out, proposer_time=(t1 - t0) / len(reqs), target_time=(t2 - t1) / len(reqs))
+
+    def _propose(self, reqs: list[Request]) -> DraftProposal:
+        """Drafts for the running requests; proposers start tracking a request on its first
+        proposal, so they hold state only for requests that are running."""
+        device = self.runner.device
+        spec_rows = [i for i, r in enumerate(reqs) if r.num_speculative_tokens > 0]
+        if not spec_rows:
+            return DraftProposal.empty(len(reqs), device)
+        batch = []
+        for i in spec_rows:
+            r = reqs[i]
+            # Never draft past what the request may still emit or past the cache: the last
+            # emitted token needs no draft, so at most (remaining - 1) drafts can be used.
+            room = min(r.params.max_tokens - len(r.output_token_ids), self.config.max_model_len - r.num_tokens) - 1
+            batch.append(SpecRequest(r.request_id, r.all_token_ids, max(0, min(r.num_speculative_tokens, room)),
+                                     r.params, r.generator))
+        proposal = self.proposer.propose(batch)
+        if len(spec_rows) == len(reqs):
+            return proposal
+        return proposal.scatter(spec_rows, len(reqs))
+
+    def _verify(self, reqs: list[Request], proposal: DraftProposal, logits: torch.Tensor) -> VerifyOutput:
+        st = SamplingTensors.from_params([r.params for r in reqs], logits.device)
+        return verify(proposal.draft_token_ids.to(logits.device), proposal.num_draft.to(logits.device),
+                      proposal.draft_probs, logits, st, [r.generator for r in reqs])
+
+    def _commit(self, reqs: list[Request], n_draft: list[int], out: VerifyOutput,
+                proposer_time: float, target_time: float) -> None:
+        tokens = out.output_token_ids.tolist()
+        accepted = out.num_accepted.tolist()
+        feedback = VerifyFeedback([], [], [], [])
+        for i, r in enumerate(reqs):
+            committed = []
+            for tok in tokens[i][: accepted[i] + 1]:
+                committed.append(tok)
+                if r.append_token(tok, self.config.max_model_len):
+                    break
+            # KV entries of rejected drafts stay in the cache past this count; they are
+            # overwritten before any query can see them.
+            r.num_computed_tokens = r.num_tokens - 1
+            r.spec.record(n_draft[i], accepted[i], accepted[i] + 1)
+            r.spec.proposer_time_s += proposer_time
+            r.spec.target_time_s += target_time
+            if r.num_speculative_tokens:
+                feedback.request_ids.append(r.request_id)
+                feedback.num_draft.append(n_draft[i])
+                feedback.num_accepted.append(accepted[i])
+                feedback.committed_token_ids.append(committed)
+        if self.proposer and feedback.request_ids:
+            self.proposer.observe(feedback)
+
+    # ---- outputs ---------------------------------------------------------------------------
+
+    def _release(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        req.status = Status.FINISHED
+        if req.metrics.finished_time is None:
+            req.metrics.finished_time = time.perf_counter()
+        if self.proposer and req.num_speculative_tokens:
+            self.proposer.remove_request(req.request_id)
+
+    def _output(self, r: Request) -> RequestOutput:
+        if r.finished and r.metrics.finished_time is None:
+            r.metrics.finished_time = time.perf_counter()
+        completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], r.finished,
+                             r.metrics, r.spec, new_text=r.take_new_text())
+
+    def pop_finished(self, request_id: str) -> None:
+        """Forget a finished request (its figures were handed out with its last output)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.finished:
+            del self.requests[request_id]

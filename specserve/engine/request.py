@@ -1,0 +1,114 @@
+"""The state of one request as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.outputs import RequestMetrics, SpecStats
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Request:
+    """Tokens are `prompt_token_ids + output_token_ids`; the KV cache holds the first
+    `num_computed_tokens` of them. Rolling back rejected drafts only lowers that count: drafts
+    never enter `output_token_ids` until verified."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]
+    num_speculative_tokens: int = 0  # 0: plain decoding for this request
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    slot: int | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    num_text_sent: int = 0  # characters of `text` already handed out for streaming
+    spec: SpecStats = field(default_factory=SpecStats)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter()))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_token(self, token: int, max_model_len: int) -> bool:
+        """Commit one verified token and apply the stop rules; returns True when it finished
+        the request (later tokens of the same step are then dropped, as plain decoding would
+        never have produced them)."""
+        self.output_token_ids.append(token)
+        self.metrics.num_generated_tokens += 1
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = time.perf_counter()
+        new_text = self.detokenizer.step([token])
+        if token in self.params.stop_token_ids:
+            # The stop token's own text is not part of the output (as with EOS, whose text
+            # skip_special_tokens drops anyway).
+            self._finish("stop", token)
+        elif token in self.eos_token_ids and not self.params.ignore_eos:
+            self._finish("stop", None)
+        else:
+            self.text += new_text
+            if self._hit_stop_string(len(new_text)):
+                return True
+            if len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
+                self.text += self.detokenizer.flush()
+                self._finish("length", None)
+        return self.finished
+
+    def _hit_stop_string(self, num_new_chars: int) -> bool:
+        """Truncate the text before the first stop string, searching only where a new match
+        can start (a stop string may straddle earlier text and the new piece)."""
+        if not self.params.stop or not num_new_chars:
+            return False
+        longest = max(len(s) for s in self.params.stop)
+        start = max(0, len(self.text) - num_new_chars - longest + 1)
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) != -1]
+        if not hits:
+            return False
+        cut, s = min(hits)
+        self.text = self.text[:cut]
+        self.status, self.finish_reason, self.stop_reason = Status.FINISHED, "stop", s
+        return True
+
+    def _finish(self, reason: str, stop_reason: int | str | None) -> None:
+        self.status, self.finish_reason, self.stop_reason = Status.FINISHED, reason, stop_reason
+
+    def abort(self) -> None:
+        self.status, self.finish_reason = Status.FINISHED, "abort"
+
+    def take_new_text(self) -> str:
+        """Text not handed out yet. While stop strings are active, the last len(longest) - 1
+        characters are held back: they could still turn out to begin a stop string."""
+        limit = len(self.text)
+        if self.params.stop and not self.finished:
+            limit -= max(len(s) for s in self.params.stop) - 1
+        if limit <= self.num_text_sent:
+            return ""
+        out = self.text[self.num_text_sent:limit]
+        self.num_text_sent = limit
+        return out

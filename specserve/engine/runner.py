@@ -1,0 +1,49 @@
+"""The model runner: owns the model and its KV cache, turns a batch into tensors, runs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.model.attention import DenseKVCache
+from specserve.model.llama import LlamaModel
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Requests computing tokens in one forward pass (the scheduler's per-request decision)."""
+
+    slot_ids: list[int]  # cache slot of each request
+    start_positions: list[int]  # each request's num_computed_tokens
+    token_ids: list[list[int]]  # tokens to compute, one list per request (prompt chunk, or last token + drafts)
+    all_logits: bool  # True: logits at every position [B, T, V]; False: at each request's last token [B, 1, V]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_slots: int, max_len: int):
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.cache = DenseKVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
+                                  model.dtype, self.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """-> float32 logits [B, T, V] (all_logits) or [B, 1, V] (last token of each request)."""
+        lens = [len(t) for t in batch.token_ids]
+        t = max(lens)
+        ids = torch.zeros(len(lens), t, dtype=torch.long)
+        for i, toks in enumerate(batch.token_ids):
+            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        meta = self.cache.metadata(batch.slot_ids, batch.start_positions, lens)
+        hidden = self.model(ids.to(self.device), meta, self.cache)  # [B, T, hidden]
+        if not batch.all_logits:
+            last = torch.tensor(lens, device=self.device) - 1
+            hidden = hidden[torch.arange(len(lens), device=self.device), last].unsqueeze(1)  # [B, 1, hidden]
+        return self.model.compute_logits(hidden)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work, so that host timers measure it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

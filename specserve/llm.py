@@ -1,0 +1,123 @@
+"""Offline Python API in the style of vLLM: LLM(model=..., speculative_config={...}).generate(...)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+
+from tqdm import tqdm
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.engine.engine import LLMEngine
+from specserve.errors import InvalidParameterError, PromptError
+from specserve.model.loader import LoadedModel, load_model
+from specserve.outputs import RequestOutput, SpecStats
+from specserve.sampling_params import SamplingParams
+from specserve.spec.factory import build_proposer
+
+# Without a limit, the KV cache is sized for the model's whole context; on a CPU a few
+# thousand tokens per request is what a user can wait for anyway.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLM:
+    """Load a model once, then generate for many prompts.
+
+    >>> llm = LLM("default", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+    """
+
+    def __init__(self, model: str | None = "default", *, dtype: str = "float32", device: str | None = "cpu",
+                 speculative_config: dict | SpeculativeConfig | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 4, seed: int = 0, loaded: LoadedModel | None = None):
+        self.spec_config = SpeculativeConfig.from_dict(speculative_config)
+        self.target = loaded or load_model(model, dtype=dtype, device=device)
+        context = self.target.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
+        if not 2 <= max_model_len <= context:
+            raise InvalidParameterError("max_model_len", max_model_len, f"must be in [2, {context}] (the model's context)")
+        self.engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed)
+        proposer = build_proposer(self.spec_config, self.target, self.engine_config)
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        self.engine = LLMEngine(self.target, self.engine_config, proposer, k)
+        self.tokenizer = self.target.tokenizer
+        self._ids = itertools.count()
+
+    # ---- prompts -> outputs -----------------------------------------------------------------
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (strings, or lists of token ids)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        encoded = [(None, list(p)) if not isinstance(p, str) else (p, self._encode(p)) for p in prompts]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        if not isinstance(messages, list) or not messages:
+            raise PromptError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        encoded = []
+        for conv in conversations:
+            text = self.tokenizer.apply_chat_template(conv, add_generation_prompt=True)
+            encoded.append((text, self.tokenizer.encode_chat(conv, add_generation_prompt=True)))
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+               prompt: str | None = None) -> Iterator[RequestOutput]:
+        """Generate for one prompt, yielding an output (with its `new_text`) after every step."""
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, prompt_token_ids, params, prompt)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request(rid)
+            self.engine.pop_finished(rid)
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise PromptError("the prompt is empty; give some text")
+        return self.tokenizer.encode(text)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(encoded) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(encoded):
+            raise InvalidParameterError("sampling_params", len(params), f"must be one, or one per prompt ({len(encoded)})")
+        order: dict[str, int] = {}
+        results: list[RequestOutput | None] = [None] * len(encoded)
+        try:
+            for i, ((text, ids), p) in enumerate(zip(encoded, params)):
+                rid = str(next(self._ids))
+                self.engine.add_request(rid, ids, p, text)
+                order[rid] = i
+            with tqdm(total=len(encoded), desc="Generating", unit="req", disable=not use_tqdm or len(encoded) < 2) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            self.engine.pop_finished(out.request_id)
+                            bar.update(1)
+        finally:
+            for rid in order:
+                self.engine.abort_request(rid)
+                self.engine.pop_finished(rid)
+        return results
+
+    @staticmethod
+    def aggregate_spec_stats(outputs: Sequence[RequestOutput]) -> SpecStats:
+        total = SpecStats()
+        for o in outputs:
+            total.merge(o.spec)
+        return total

@@ -1,0 +1,141 @@
+"""Architecture hyper-parameters of a Llama-family model, read from config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.errors import ModelLoadError
+
+# Architectures whose weights map onto the project's Llama-family model unchanged
+# (Qwen2 differs only by the qkv bias, which the config turns on).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # rope_scaling as in HF config.json: {"rope_type": "llama3", "factor": ..., ...}; None = plain RoPE.
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported model architecture {self.architecture!r}; "
+                f"specserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
+            )
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        if not self.rope_scaling:
+            return "default"
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        per_layer = (
+            self.hidden_size * (self.q_size + 2 * self.kv_size)
+            + self.q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+            + 2 * self.hidden_size
+        )
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + self.hidden_size
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+        """Build from a Hugging Face config.json (both the rope_theta/rope_scaling and the
+        newer rope_parameters spellings)."""
+        model_type = cfg.get("model_type", "")
+        archs = cfg.get("architectures") or []
+        arch = model_type or (archs[0].lower().removesuffix("forcausallm") if archs else "")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rope_params = dict(cfg.get("rope_parameters") or {})
+            rope_scaling = cfg.get("rope_scaling") or None
+            theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                rope_scaling=dict(rope_scaling) if rope_scaling else None,
+                # Qwen2 always has a qkv bias and no config flag for it.
+                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json is missing or has an invalid field: {e}") from None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies of RoPE, [head_dim // 2] float32, with the config's scaling applied.
+
+    Computed in float32 the same way the reference implementation does, so that positions far
+    into the context get bit-identical angles.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if cfg.rope_scaling and "freq_factors" in cfg.rope_scaling:
+        # GGUF files of Llama 3.1 carry the scaled frequencies as per-frequency divisors.
+        return inv / torch.tensor(cfg.rope_scaling["freq_factors"], dtype=torch.float32)
+    kind = cfg.rope_type
+    if kind == "linear":
+        return inv / float(cfg.rope_scaling["factor"])
+    if kind == "llama3":
+        # Llama 3.1: leave high frequencies alone, divide low frequencies by `factor`, and
+        # interpolate smoothly in between.
+        s = cfg.rope_scaling
+        factor = float(s["factor"])
+        low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+        old_len = float(s.get("original_max_position_embeddings", cfg.max_position_embeddings))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv

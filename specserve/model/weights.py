@@ -1,0 +1,85 @@
+"""Turning a stream of named weights (Hugging Face names) into a ready LlamaModel."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from tqdm import tqdm
+
+from specserve.errors import ModelLoadError
+from specserve.model.config import ModelConfig
+from specserve.model.llama import LlamaModel, RotaryEmbedding
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# Checkpoint names that are concatenated, in this order, into one fused parameter.
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+_PART_OF = {part: (fused, i) for fused, parts in _FUSED.items() for i, part in enumerate(parts)}
+# Present in some checkpoints, never needed: RoPE tables are recomputed from the config.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], total: int,
+                dtype: torch.dtype, device: torch.device | str, desc: str = "Loading weights") -> LlamaModel:
+    """Build a model from (Hugging Face name, tensor) pairs, checking every name and shape.
+
+    Parameters are created on the meta device and assigned the loaded tensors, so the model
+    never exists twice in memory.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model.rotary = RotaryEmbedding(cfg).to(device)
+    expected = {n: p.shape for n, p in model.named_parameters()}
+    state: dict[str, torch.Tensor] = {}
+    pending: dict[str, list[torch.Tensor | None]] = {}
+    for name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", leave=False):
+        if _IGNORED.match(name):
+            continue
+        target, index = _locate(name)
+        tensor = tensor.to(device=device, dtype=dtype)
+        if index is None:
+            state[target] = tensor
+            continue
+        parts = pending.setdefault(target, [None] * len(_FUSED[target.split(".", 2)[2]]))
+        parts[index] = tensor
+        if all(p is not None for p in parts):
+            state[target] = torch.cat(parts, dim=0)
+            del pending[target]
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected or pending:
+        raise ModelLoadError(
+            f"checkpoint does not match a {cfg.architecture} model of this config: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}, incomplete {sorted(pending)[:5]}"
+        )
+    for name, shape in expected.items():
+        if state[name].shape != shape:
+            raise ModelLoadError(f"weight {name} has shape {tuple(state[name].shape)}, expected {tuple(shape)}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def _locate(name: str) -> tuple[str, int | None]:
+    """Map a checkpoint name to (parameter name in LlamaModel, index within a fused parameter)."""
+    if name.startswith("model.embed_tokens.") or name.startswith("model.norm."):
+        return name.removeprefix("model."), None
+    if name == "lm_head.weight":
+        return name, None
+    m = _LAYER.fullmatch(name)
+    if not m:
+        return name, None  # reported as unexpected by the caller
+    layer, rest = m.groups()
+    if rest in _PART_OF:
+        fused, index = _PART_OF[rest]
+        return f"layers.{layer}.{fused}", index
+    return f"layers.{layer}.{rest}", None

@@ -1,0 +1,118 @@
+"""What the engine hands back: per-request outputs and the speculation figures (vLLM-style names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculation figures of one request, or summed over many.
+
+    A target pass is one forward of the target that produced tokens for this request after its
+    prefill (a plain decode step counts as a pass with zero drafts), so mean accepted length is
+    tokens emitted per target pass: 1.0 for plain decoding, up to k + 1 with speculation.
+    """
+
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_emitted: int = 0  # tokens produced by decode/verify passes (accepted + recovered/bonus)
+    num_target_passes: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposer_time_s: float = 0.0
+    target_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.num_emitted / self.num_target_passes if self.num_target_passes else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        """One target pass: `num_draft` tokens drafted, the first `num_accepted` accepted."""
+        self.num_target_passes += 1
+        self.num_drafted += num_draft
+        self.num_accepted += num_accepted
+        self.num_emitted += num_emitted
+        grow = num_draft - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_draft):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_drafted += other.num_drafted
+        self.num_accepted += other.num_accepted
+        self.num_emitted += other.num_emitted
+        self.num_target_passes += other.num_target_passes
+        self.proposer_time_s += other.proposer_time_s
+        self.target_time_s += other.target_time_s
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+        for mine, theirs in ((self.drafted_per_position, other.drafted_per_position),
+                             (self.accepted_per_position, other.accepted_per_position)):
+            mine.extend([0] * (n - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafted": self.num_drafted,
+            "num_accepted": self.num_accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position],
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "num_target_passes": self.num_target_passes,
+            "proposer_time_s": round(self.proposer_time_s, 4),
+            "target_time_s": round(self.target_time_s, 4),
+        }
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, over the time after the first: the decode speed."""
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return 0.0
+        span = self.finished_time - self.first_token_time
+        return (self.num_generated_tokens - 1) / span if span > 0 else 0.0
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    spec: SpecStats
+    new_text: str = ""  # text produced since the previous output of this request (for streaming)

@@ -1,0 +1,76 @@
+"""Sampling parameters of one request, validated once at the edge (vLLM-style names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.errors import InvalidParameterError
+
+# A request may not ask for more than this many new tokens; larger values are almost always
+# a client mistake and would pin KV-cache memory for no reason.
+MAX_TOKENS_LIMIT = 1 << 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token.
+
+    temperature 0 means greedy decoding. top_k 0 (or -1, as in vLLM) disables top-k; top_p 1
+    and min_p 0 disable nucleus and min-p filtering. The filters apply in the order
+    temperature -> top_k -> top_p -> min_p, the same for plain sampling and for the speculative
+    verifier, so speculation never changes the distribution being sampled.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+        _check_number("temperature", self.temperature, float)
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidParameterError("temperature", self.temperature, "must be in [0, 100]; 0 means greedy")
+        _check_number("top_p", self.top_p, float)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidParameterError("top_p", self.top_p, "must be in (0, 1]")
+        _check_number("top_k", self.top_k, int)
+        if self.top_k < 0:
+            raise InvalidParameterError("top_k", self.top_k, "must be >= 0 (0 or -1 disables top-k)")
+        _check_number("min_p", self.min_p, float)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidParameterError("min_p", self.min_p, "must be in [0, 1]")
+        _check_number("max_tokens", self.max_tokens, int)
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise InvalidParameterError("max_tokens", self.max_tokens, f"must be in [1, {MAX_TOKENS_LIMIT}]")
+        if self.seed is not None:
+            _check_number("seed", self.seed, int)
+            if not 0 <= self.seed < 2**63:
+                raise InvalidParameterError("seed", self.seed, "must be in [0, 2**63)")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidParameterError("stop", s, "each stop sequence must be a non-empty string")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidParameterError("stop_token_ids", t, "each stop token id must be an int >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check_number(name: str, value: object, kind: type) -> None:
+    # bool is an int subclass; True as a temperature is a client bug, not 1.0.
+    ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
+    if isinstance(value, bool) or not ok:
+        raise InvalidParameterError(name, value, f"must be a{'n integer' if kind is int else ' number'}")

@@ -1,0 +1,18 @@
+"""Build the proposer a speculative config asks for."""
+
+from __future__ import annotations
+
+from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.model.loader import LoadedModel, load_model
+from specserve.spec.proposer import Proposer
+
+
+def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: EngineConfig) -> Proposer | None:
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from specserve.spec.ngram import NgramProposer
+        return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+    from specserve.spec.draft_model import DraftModelProposer
+    draft = load_model(spec.model, dtype=target.model.dtype, device=target.model.device)
+    return DraftModelProposer(draft, target, engine)

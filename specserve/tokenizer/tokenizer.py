@@ -1,0 +1,171 @@
+"""The model's tokenizer: text <-> token ids, special token ids, and chat prompts.
+
+One class over a HF `tokenizers.Tokenizer`, loaded either from a HF folder (tokenizer.json) or from
+a GGUF file's metadata. BOS handling is done here rather than by the backend's post-processor,
+so that both sources follow one rule: BOS is prepended exactly when `add_bos and add_special_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+from tokenizers import Tokenizer as HFTokenizer
+
+from specserve.errors import ModelLoadError
+from specserve.tokenizer.chat import CHATML_TEMPLATE, ChatTemplate
+from specserve.tokenizer.gguf_vocab import read_gguf_tokenizer
+
+# The special-token names transformers hands to chat templates as variables.
+_TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    backend: HFTokenizer = field(repr=False)
+    vocab_size: int  # every token id, added/special tokens included
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]  # every token that ends generation
+    pad_token_id: int | None
+    chat_template: str | None  # the model's own template; None means the ChatML fallback is used
+    add_bos: bool  # whether encode(..., add_special_tokens=True) prepends BOS
+    # bos_token/eos_token/unk_token/pad_token text, passed to the chat template as variables
+    special_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
+    _chat: ChatTemplate = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Compiled once at load, so a broken template is a load error rather than a per-request one.
+        object.__setattr__(self, "_chat", ChatTemplate(self.chat_template or CHATML_TEMPLATE, self.special_tokens))
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, with tokenizer_config.json and generation_config.json when present.
+
+        The chat template comes from chat_template.jinja (newer transformers) or from
+        tokenizer_config.json. EOS ids are the config's eos_token plus every eos_token_id in
+        generation_config.json, which is where chat models list their end-of-turn tokens.
+        """
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelLoadError(f"no tokenizer.json in {folder}: specserve needs a HF fast tokenizer file")
+        try:
+            backend = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the Rust library raises bare Exceptions for every parse error
+            raise ModelLoadError(f"{tokenizer_file} is not a valid tokenizer file: {e}") from e
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+
+        texts = {name: _token_text(config.get(name)) for name in _TEMPLATE_TOKEN_NAMES}
+        ids = {name: None if text is None else backend.token_to_id(text) for name, text in texts.items()}
+        for name in ("bos_token", "eos_token"):
+            if texts[name] is not None and ids[name] is None:
+                raise ModelLoadError(
+                    f"tokenizer_config.json names {name} {texts[name]!r}, which is not in the vocabulary"
+                )
+
+        eos_ids = {ids["eos_token"]} | set(_as_list(generation.get("eos_token_id")))
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):
+            # No flag: the tokenizer.json post-processor is the source of truth (Llama 3 adds BOS there).
+            add_bos = ids["bos_token"] is not None and backend.encode("a").ids[:1] == [ids["bos_token"]]
+        return cls(
+            backend=backend,
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            bos_token_id=ids["bos_token"],
+            eos_token_ids=frozenset(eos_ids - {None}),
+            pad_token_id=ids["pad_token"],
+            chat_template=_hf_chat_template(folder, config),
+            add_bos=add_bos,
+            special_tokens={name: text for name, text in texts.items() if text is not None and ids[name] is not None},
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes (byte-level BPE only; see gguf_vocab)."""
+        spec = read_gguf_tokenizer(reader)
+        ids = {
+            "bos_token": spec.bos_token_id,
+            "eos_token": spec.eos_token_id,
+            "unk_token": spec.unk_token_id,
+            "pad_token": spec.pad_token_id,
+        }
+        return cls(
+            backend=spec.backend,
+            vocab_size=spec.vocab_size,
+            bos_token_id=spec.bos_token_id,
+            eos_token_ids=spec.eos_token_ids,
+            pad_token_id=spec.pad_token_id,
+            chat_template=spec.chat_template,
+            add_bos=spec.add_bos,
+            special_tokens={name: spec.backend.id_to_token(i) for name, i in ids.items() if i is not None},
+        )
+
+    # ---- text <-> ids ---------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(i)
+
+    # ---- chat -----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render OpenAI-style messages with the model's template (ChatML if it has none)."""
+        return self._chat.render(messages, add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        # Templates such as Llama 3's write the BOS text themselves; adding BOS again would double it.
+        bos = self.special_tokens.get("bos_token")
+        return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
+
+def _read_json(path: Path) -> dict:
+    """An optional JSON file: {} when absent, ModelLoadError when present but unreadable."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} could not be read: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} should hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _token_text(value: object) -> str | None:
+    # Older tokenizer_config.json files store special tokens as serialised AddedToken dicts.
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_list(value: object) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _hf_chat_template(folder: Path, config: dict) -> str | None:
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    # Some repos ship several named templates (e.g. "default", "tool_use"); chat uses "default".
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None

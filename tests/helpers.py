@@ -1,0 +1,73 @@
+"""Tiny random-weight checkpoints made with transformers, saved as real model folders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over tokens "<s>", "</s>", "t2" ... so that tiny models are real
+    model folders the loader accepts. Words are split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    vocab = {"<s>": 0, "</s>": 1} | {f"t{i}": i for i in range(2, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }))
+
+
+def make_tiny_checkpoint(folder: Path, kind: str = "llama", *, vocab_size: int = 64, hidden: int = 64,
+                         layers: int = 2, heads: int = 4, kv_heads: int = 2, tied: bool = False,
+                         rope_scaling: dict | None = None, seed: int = 0, max_positions: int = 512) -> Path:
+    """Save a random-weight Llama (or Qwen2) model folder and return its path."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_positions, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=1)
+    if kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=1e6)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0, **extra)
+        model = transformers.LlamaForCausalLM(cfg)
+    # Random init gives near-uniform logits; larger weights give peaked, varied distributions,
+    # which make greedy ties impossible and acceptance tests meaningful.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5 / p.shape[-1] ** 0.5 * 4)
+    model.eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    write_wordlevel_tokenizer(folder, vocab_size)
+    return folder
+
+
+def chi_square_pvalue(outcomes: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of observed outcome indices against probs; cells expecting < 5 are pooled.
+    A single outcome of probability 0 gives p = 0."""
+    n = outcomes.numel()
+    observed = torch.bincount(outcomes, minlength=probs.numel()).double()
+    if observed[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2))

@@ -1,0 +1,118 @@
+"""The embedded SmolLM2 GGUF against transformers loading the same file."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
+
+from specserve.errors import ModelLoadError
+from specserve.llm import LLM
+from specserve.model.config import ModelConfig
+from specserve.model.gguf_loader import _dequantized, _unpermute
+from specserve.model.loader import load_model
+from specserve.sampling_params import SamplingParams
+
+MESSAGES = [{"role": "user", "content": "Describe Paris, the capital of France, for a tourist."}]
+
+
+def test_greedy_continuation_equals_transformers_on_same_gguf(smollm, hf_smollm):
+    ids = smollm.tokenizer.encode_chat(MESSAGES)
+    llm = LLM(loaded=smollm, max_num_seqs=1)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = hf_smollm.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=2)
+    assert len(out.outputs[0].token_ids) == 32
+    assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+    assert "Paris" in out.outputs[0].text
+
+
+def test_prefill_logits_match_transformers(smollm, hf_smollm):
+    ids = smollm.tokenizer.encode_chat(MESSAGES)
+    from specserve.model.attention import DenseKVCache
+    cfg = smollm.config
+    cache = DenseKVCache(cfg.num_layers, 1, 128, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    with torch.no_grad():
+        mine = smollm.model.compute_logits(smollm.model(torch.tensor([ids]), cache.metadata([0], [0], [len(ids)]), cache))
+        ref = hf_smollm(torch.tensor([ids])).logits
+    assert (mine - ref).abs().max().item() <= 1e-4
+
+
+def test_embedded_config_read_from_metadata(smollm):
+    cfg = smollm.config
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 576, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.rope_theta == 100000.0
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantization(qtype):
+    """Each required type dequantizes into [out, in] order; types the gguf package can quantize
+    round-trip to within their quantization error, the K-quants (which it only dequantizes) are
+    checked block-for-block on random block bytes."""
+    rng = np.random.default_rng(0)
+    t = GGMLQuantizationType[qtype]
+    w = rng.standard_normal((4, 512)).astype(np.float32)
+    try:
+        data = quantize(w, t)
+    except NotImplementedError:
+        block, size = GGML_QUANT_SIZES[t]
+        data = rng.integers(0, 256, (4, 512 // block * size), dtype=np.uint8)
+        w = None
+
+    class Tensor:  # the attributes the loader reads from a GGUFReader tensor
+        name, tensor_type, shape = "blk.0.ffn_up.weight", t, [512, 4]
+
+    Tensor.data = data
+    got = _dequantized(Tensor)
+    assert got.shape == (4, 512) and got.dtype == np.float32
+    if w is None:
+        for row in range(4):  # each row is its own run of blocks
+            np.testing.assert_array_equal(got[row], dequantize(data[row:row + 1], t).reshape(-1))
+    else:
+        bound = {"F32": 0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.02}.get(qtype, 0.5)
+        assert np.abs(got - w).max() <= bound
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = np.arange(8 * 3, dtype=np.float32).reshape(8, 3)  # 2 heads of head_dim 4
+    # llama.cpp's converter: rows of each head reordered from [x1 half, x2 half] to interleaved pairs.
+    permuted = w.reshape(2, 2, 2, 3).swapaxes(1, 2).reshape(8, 3)
+    np.testing.assert_array_equal(_unpermute(permuted, 2), w)
+
+
+def test_missing_and_corrupt_files_give_clear_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        load_model(bad)
+    empty_dir = tmp_path / "folder"
+    empty_dir.mkdir()
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(empty_dir)
+
+
+def test_unsupported_architecture_and_quantization_are_named(tmp_path):
+    import gguf
+
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="'phi2' is not supported"):
+        load_model(path)
+    with pytest.raises(ModelLoadError, match="unsupported model architecture 'gpt2'"):
+        ModelConfig.from_hf_dict({"model_type": "gpt2", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+                                  "num_hidden_layers": 1, "num_attention_heads": 2})
+
+    class Tensor:
+        name, tensor_type, shape = "blk.0.ffn_up.weight", GGMLQuantizationType.Q8_1, [32, 1]
+        data = np.zeros((1, 36), dtype=np.uint8)
+
+    with pytest.raises(ModelLoadError, match="quantization type Q8_1"):
+        _dequantized(Tensor)

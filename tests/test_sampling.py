@@ -1,0 +1,245 @@
+"""processed_probs and the sampler: each filter on hand-built logits, the filters combined, greedy
+rows, batch mixes, an independent per-row oracle, seeded reproducibility and batch independence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specserve.sample import SamplingTensors, make_generator, processed_probs, sample, verify
+from specserve.sampling_params import SamplingParams as SP
+
+P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
+L4 = P4.log()  # logits whose softmax is P4
+
+
+def probs_of(logits: torch.Tensor, **kw) -> torch.Tensor:
+    return processed_probs(logits.unsqueeze(0), SamplingTensors.from_params([SP(**kw)], "cpu"))[0]
+
+
+def renorm(p: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    out = torch.zeros_like(p)
+    out[keep] = p[keep] / p[keep].sum()
+    return out
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, -1.0, 0.5])
+    for t in (0.3, 1.0, 2.5):
+        torch.testing.assert_close(probs_of(logits, temperature=t), (logits / t).softmax(-1))
+
+
+def test_greedy_is_one_hot_at_first_maximum():
+    logits = torch.tensor([0.0, 3.0, 1.0, 3.0])
+    assert probs_of(logits, temperature=0.0).tolist() == [0.0, 1.0, 0.0, 0.0]
+    # Filters do not matter to a greedy row.
+    assert probs_of(logits, temperature=0.0, top_k=1, top_p=0.1, min_p=0.9).tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_top_k():
+    torch.testing.assert_close(probs_of(L4, top_k=2), renorm(P4, [0, 1]))
+    torch.testing.assert_close(probs_of(L4, top_k=1), renorm(P4, [0]))
+    torch.testing.assert_close(probs_of(L4, top_k=100), P4)  # k > V keeps everything
+    torch.testing.assert_close(probs_of(L4, top_k=-1), P4)  # -1 and 0 disable
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    logits = torch.tensor([1.0, 3.0, 3.0, 2.0, 3.0])
+    assert (probs_of(logits, top_k=1) > 0).tolist() == [False, True, True, False, True]
+    assert (probs_of(logits, top_k=3) > 0).tolist() == [False, True, True, False, True]
+    assert (probs_of(logits, top_k=4) > 0).tolist() == [False, True, True, True, True]
+
+
+def test_top_p():
+    torch.testing.assert_close(probs_of(L4, top_p=0.4), renorm(P4, [0]))
+    torch.testing.assert_close(probs_of(L4, top_p=0.75), renorm(P4, [0, 1]))
+    torch.testing.assert_close(probs_of(L4, top_p=0.81), renorm(P4, [0, 1, 2]))
+    torch.testing.assert_close(probs_of(L4, top_p=1.0), P4)
+
+
+def test_top_p_keeps_every_token_tied_at_the_boundary():
+    p = torch.tensor([0.2, 0.4, 0.2, 0.2])
+    assert (probs_of(p.log(), top_p=0.5) > 0).all()
+    assert (probs_of(p.log(), top_p=0.3) > 0).tolist() == [False, True, False, False]
+
+
+def test_top_p_one_keeps_a_long_tail():
+    # Cumulative sums of many small float32 values can round to 1 before the end.
+    logits = torch.cat([torch.tensor([12.0]), torch.zeros(50_000)])
+    assert (probs_of(logits, top_p=1.0) > 0).all()
+
+
+def test_min_p_is_relative_to_the_max():
+    torch.testing.assert_close(probs_of(L4, min_p=0.35), renorm(P4, [0, 1]))  # threshold 0.175
+    torch.testing.assert_close(probs_of(L4, min_p=0.2), renorm(P4, [0, 1, 2]))  # threshold 0.1
+    torch.testing.assert_close(probs_of(L4, min_p=1.0), renorm(P4, [0]))
+
+
+def test_order_temperature_top_k_top_p_min_p():
+    # top_p works on the distribution renormalised after top_k: [0.5, 0.3, 0.15] / 0.95 reaches
+    # 0.8 at the second token, while the raw P4 needs a third token to pass 0.8 + eps.
+    torch.testing.assert_close(probs_of(L4, top_k=3, top_p=0.805), renorm(P4, [0, 1]))
+    torch.testing.assert_close(probs_of(L4, top_p=0.805), renorm(P4, [0, 1, 2]))
+    # Temperature comes first: at 0.5 the distribution is P4**2 / sum = [0.685, 0.247, ...].
+    torch.testing.assert_close(probs_of(L4, top_p=0.6), renorm(P4, [0, 1]))
+    torch.testing.assert_close(probs_of(L4, temperature=0.5, top_p=0.6), renorm(P4, [0]))
+    # min_p after top_k: renormalised top-2 at temperature 0.5 is [0.735, 0.265]; min_p 0.3 cuts
+    # below 0.22 (nothing), min_p 0.4 below 0.29 (the second token).
+    sharp = renorm(P4**2, [0, 1])
+    torch.testing.assert_close(probs_of(L4, temperature=0.5, top_k=2, min_p=0.3), sharp)
+    torch.testing.assert_close(probs_of(L4, temperature=0.5, top_k=2, min_p=0.4), renorm(P4, [0]))
+
+
+def oracle_probs(logits: list[float], p: SP) -> list[float]:
+    """The documented rules, one token at a time in float64 (independent of the tensor code)."""
+    v = len(logits)
+    if p.greedy:
+        best = max(range(v), key=lambda i: (logits[i], -i))
+        return [float(i == best) for i in range(v)]
+    x = [z / p.temperature for z in logits]
+    keep = set(range(v))
+    if p.top_k:
+        kth = sorted(x, reverse=True)[min(p.top_k, v) - 1]
+        keep = {i for i in keep if x[i] >= kth}
+
+    def softmax(ids):
+        m = max(x[i] for i in ids)
+        w = {i: math.exp(x[i] - m) for i in ids}
+        s = sum(w.values())
+        return {i: w[i] / s for i in ids}
+
+    pr = softmax(keep)
+    if p.top_p < 1:
+        keep = {i for i in keep if sum(q for q in pr.values() if q > pr[i]) < p.top_p}
+    top = max(pr.values())
+    keep = {i for i in keep if pr[i] >= p.min_p * top}
+    pr = softmax(keep)
+    return [pr.get(i, 0.0) for i in range(v)]
+
+
+def random_params(gen: torch.Generator, n: int) -> list[SP]:
+    out = []
+    for _ in range(n):
+        r = torch.rand(5, generator=gen).tolist()
+        out.append(SP(
+            temperature=0.0 if r[0] < 0.2 else round(0.2 + 1.6 * r[1], 2),
+            top_k=int(torch.randint(0, 9, (1,), generator=gen)) if r[2] < 0.6 else 0,
+            top_p=round(0.3 + 0.7 * r[3], 2) if r[3] < 0.7 else 1.0,
+            min_p=round(0.3 * r[4], 2) if r[4] < 0.5 else 0.0,
+        ))
+    return out
+
+
+def test_matches_independent_oracle_on_random_batches():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        params = random_params(gen, 6)
+        # Integer logits half the time, so that ties at every boundary occur.
+        logits = torch.randn(6, 12, generator=gen) * 2
+        if trial % 2:
+            logits = logits.round()
+        got = processed_probs(logits, SamplingTensors.from_params(params, "cpu"))
+        want = torch.tensor([oracle_probs(row, p) for row, p in zip(logits.double().tolist(), params)])
+        torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-5)
+
+
+def test_batch_mixes_and_time_axis_are_row_independent():
+    gen = torch.Generator().manual_seed(1)
+    params = random_params(gen, 8)
+    st = SamplingTensors.from_params(params, "cpu")
+    logits = torch.randn(8, 3, 50, generator=gen)
+    batched = processed_probs(logits, st)  # [B, T, V]
+    assert batched.shape == (8, 3, 50) and batched.dtype == torch.float32
+    torch.testing.assert_close(batched.sum(-1), torch.ones(8, 3))
+    for b in range(8):
+        alone = processed_probs(logits[b : b + 1], st.select([b]))
+        assert torch.equal(batched[b : b + 1], alone)
+        for t in range(3):
+            assert torch.equal(batched[b, t], processed_probs(logits[b : b + 1, t], st.select([b]))[0])
+
+
+def test_sampling_tensors_flags_skip_unused_filters():
+    st = SamplingTensors.from_params([SP(temperature=0.0, top_k=5, top_p=0.5, min_p=0.2), SP()], "cpu")
+    assert not (st.all_greedy or st.any_top_k or st.any_top_p or st.any_min_p)
+    st = SamplingTensors.from_params([SP(top_k=5), SP(top_p=0.9, min_p=0.1)], "cpu")
+    assert st.any_top_k and st.any_top_p and st.any_min_p and st.max_top_k == 5
+    assert SamplingTensors.from_params([SP(temperature=0.0)] * 2, "cpu").all_greedy
+    assert st.select([1]).params == (SP(top_p=0.9, min_p=0.1),) and not st.select([1]).any_top_k
+
+
+def test_bfloat16_logits_give_float32_probs():
+    probs = processed_probs(torch.randn(2, 30).bfloat16(), SamplingTensors.from_params([SP(), SP(top_k=3)], "cpu"))
+    assert probs.dtype == torch.float32
+
+
+def test_make_generator():
+    assert make_generator(None, "cpu") is None
+    a, b = make_generator(7, "cpu"), make_generator(7, "cpu")
+    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+def test_greedy_sample_is_argmax():
+    logits = torch.randn(5, 40)
+    st = SamplingTensors.from_params([SP(temperature=0.0)] * 5, "cpu")
+    assert torch.equal(sample(logits, st, [None] * 5), logits.argmax(-1))
+    mixed = SamplingTensors.from_params([SP(temperature=0.0), SP(), SP(temperature=0.0), SP(), SP()], "cpu")
+    got = sample(logits, mixed, [make_generator(i, "cpu") for i in range(5)])
+    assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
+
+
+def test_same_seed_same_tokens():
+    logits = torch.randn(1, 100)
+    st = SamplingTensors.from_params([SP(temperature=1.3, top_p=0.95)], "cpu")
+
+    def run(seed):
+        g = make_generator(seed, "cpu")
+        return [int(sample(logits, st, [g])) for _ in range(50)]
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+
+
+def test_sampling_is_independent_of_the_rest_of_the_batch():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 64, generator=gen)
+    params = [SP(temperature=0.9, top_k=20), SP(temperature=0.0), SP(top_p=0.8), SP(min_p=0.05),
+              SP(temperature=1.5), SP()]
+    st = SamplingTensors.from_params(params, "cpu")
+    seeded = [0, 2, 3, 4]
+    batched = sample(logits, st, [make_generator(10 + b, "cpu") if b in seeded else None for b in range(6)])
+    for b in seeded + [1]:
+        alone = sample(logits[b : b + 1], st.select([b]), [make_generator(10 + b, "cpu")])
+        assert int(alone) == int(batched[b])
+
+
+def test_sample_consumes_what_verify_with_no_draft_consumes():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 32, generator=gen)
+    st = SamplingTensors.from_params([SP(), SP(temperature=0.0), SP(top_k=5), SP(top_p=0.7)], "cpu")
+    for seed in range(20):
+        sampled = sample(logits, st, [make_generator(seed * 4 + b, "cpu") for b in range(4)])
+        out = verify(torch.empty(4, 0, dtype=torch.long), torch.zeros(4, dtype=torch.long), None,
+                     logits.unsqueeze(1), st, [make_generator(seed * 4 + b, "cpu") for b in range(4)])
+        assert torch.equal(out.output_token_ids[:, 0], sampled)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(temperature=0.6, top_k=4), dict(top_p=0.7, min_p=0.1)])
+def test_sample_frequencies_match_processed_probs(kw):
+    logits = torch.tensor([[1.0, 0.2, -0.5, 2.0, 0.0, 1.1, -2.0]])
+    st = SamplingTensors.from_params([SP(**kw)], "cpu")
+    probs = processed_probs(logits, st)[0].double()
+    n = 60_000
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        tokens = sample(logits.expand(n, -1), st.select([0] * n), [None] * n)
+    counts = torch.bincount(tokens, minlength=7).double()
+    assert counts[probs == 0].sum() == 0
+    used = probs > 0
+    expected = probs[used] * n
+    chi2 = float(((counts[used] - expected) ** 2 / expected).sum())
+    dof = int(used.sum()) - 1
+    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                           torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert pvalue > 1e-3, (chi2, dof, pvalue)

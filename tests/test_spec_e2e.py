@@ -1,0 +1,192 @@
+"""End-to-end speculative decoding: greedy output equals plain greedy output token for token
+(float32), a draft identical to the target accepts everything, and sampled output has the
+target's exact distribution."""
+
+import itertools
+
+import pytest
+import torch
+
+from specserve.errors import InvalidParameterError
+from specserve.llm import LLM
+from specserve.model.loader import load_model
+from specserve.sampling_params import SamplingParams
+from tests.helpers import chi_square_pvalue, make_tiny_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_checkpoint(root / "target", vocab_size=64, seed=0)
+    other = make_tiny_checkpoint(root / "draft", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1)
+    return {"target": target, "draft": other, "loaded": load_model(target)}
+
+
+def tiny_prompts(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Repetitive prompts (a random phrase repeated) give the n-gram proposer something to find.
+    out = []
+    for i in range(n):
+        phrase = torch.randint(2, 64, (3 + i % 4,), generator=g).tolist()
+        out.append((phrase * 4)[: 5 + 3 * i])
+    return out
+
+
+def run(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 3},
+    {"method": "draft_model", "num_speculative_tokens": 4, "model": "draft"},
+    {"method": "draft_model", "num_speculative_tokens": 2, "model": "target"},
+])
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_tiny_greedy_speculation_equals_plain(tiny, spec, max_num_seqs):
+    spec = dict(spec)
+    if "model" in spec:
+        spec["model"] = str(tiny[spec["model"]])
+    prompts = tiny_prompts()
+    plain = run(LLM(loaded=tiny["loaded"], max_num_seqs=1), prompts)
+    llm = LLM(loaded=tiny["loaded"], speculative_config=spec, max_num_seqs=max_num_seqs)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    stats = LLM.aggregate_spec_stats(outs)
+    assert stats.num_drafted > 0
+    if spec.get("model") == str(tiny["target"]):
+        assert stats.acceptance_rate == 1.0
+        assert stats.mean_accepted_length > 2.5
+
+
+def test_draft_identical_to_target_accepts_everything_on_smollm(smollm):
+    msgs = [{"role": "user", "content": "List three colours."}]
+    plain = LLM(loaded=smollm, max_num_seqs=1).chat(msgs, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    llm = LLM(loaded=smollm, max_num_seqs=1,
+              speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3})
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.spec.acceptance_rate == 1.0
+    assert out.spec.acceptance_by_position == [1.0, 1.0, 1.0]
+
+
+SMOLLM_PROMPTS = [
+    "Repeat this list exactly, twice: apples, pears, plums, cherries, lemons.",
+    "Summarize: The cat sat on the mat. The cat was happy because the mat was warm. The mat was red.",
+    "Write a Python function that returns the sum of a list of numbers.",
+]
+
+
+def test_smollm_ngram_greedy_equals_plain(smollm):
+    msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=64)
+    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
+    llm = LLM(loaded=smollm, max_num_seqs=1, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.chat(msgs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+
+
+def test_rejected_draft_entries_are_never_read(tiny):
+    """Poison every cache row past each request's computed length after every step: if a stale
+    (rolled-back) entry were ever read, the huge keys and values would change the output.
+    (Finite poison, not NaN: a masked key gets weight exactly 0, and 0 * NaN is still NaN.)"""
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(tiny["draft"])}
+    prompts = tiny_prompts(4, seed=3)
+    plain = run(LLM(loaded=tiny["loaded"], max_num_seqs=1), prompts)
+    llm = LLM(loaded=tiny["loaded"], speculative_config=spec, max_num_seqs=4)
+    engine, cache = llm.engine, llm.engine.runner.cache
+    reqs = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(prompts)]
+    rejected = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for r in reqs:
+            if r.slot is not None:
+                start = r.slot * cache.stride + r.num_computed_tokens
+                cache.k[:, start:(r.slot + 1) * cache.stride] = 1e3
+                cache.v[:, start:(r.slot + 1) * cache.stride] = 1e3
+        rejected += sum(o.spec.num_drafted - o.spec.num_accepted for o in outs if o.finished)
+    assert [r.output_token_ids for r in reqs] == plain
+    assert rejected > 0
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(tiny):
+    spec = {"method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny["draft"])}
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=1234)
+    a = run(LLM(loaded=tiny["loaded"], speculative_config=spec), tiny_prompts(3), params)
+    b = run(LLM(loaded=tiny["loaded"], speculative_config=spec, max_num_seqs=1), tiny_prompts(3), params)
+    assert a == b
+
+
+# ---- the output distribution of speculative sampling is exactly the target's ------------------
+
+V, LENGTH = 8, 3
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """A vocabulary of 8 so that the distribution of the first 3 tokens can be enumerated."""
+    root = tmp_path_factory.mktemp("micro")
+    target = make_tiny_checkpoint(root / "t", vocab_size=V, hidden=32, heads=2, kv_heads=1, seed=5)
+    draft = make_tiny_checkpoint(root / "d", vocab_size=V, hidden=32, heads=2, kv_heads=1, seed=6, layers=1)
+    return load_model(target), draft
+
+
+def exact_joint(loaded, prompt, params):
+    """P(first 3 tokens) by enumeration, using the target's own processed distribution."""
+    from specserve.model.attention import DenseKVCache
+    from specserve.sample import SamplingTensors, processed_probs
+
+    model, cfg = loaded.model, loaded.config
+    seqs = [list(s) for s in itertools.product(range(V), repeat=LENGTH - 1)]
+    ids = torch.tensor([prompt + s for s in seqs])  # [V^2, P + 2]
+    cache = DenseKVCache(cfg.num_layers, len(seqs), 32, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    with torch.no_grad():
+        meta = cache.metadata(list(range(len(seqs))), [0] * len(seqs), [ids.shape[1]] * len(seqs))
+        logits = model.compute_logits(model(ids, meta, cache))[:, len(prompt) - 1:]  # [V^2, 3, V]
+    st = SamplingTensors.from_params([params] * len(seqs), "cpu")
+    p = processed_probs(logits, st).double()  # [V^2, 3, V]
+    joint = torch.zeros(V, V, V, dtype=torch.float64)
+    for i, (a, b) in enumerate(seqs):
+        joint[a, b] = p[i, 0, a] * p[i, 1, b] * p[i, 2]
+    return joint.reshape(-1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True),
+    SamplingParams(temperature=0.7, max_tokens=LENGTH, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_p=0.8, max_tokens=LENGTH, ignore_eos=True),
+], ids=["t1.0", "t0.7", "top_p0.8"])
+def test_speculative_sampling_has_the_target_distribution(micro, params):
+    loaded, draft = micro
+    prompt = [3, 5, 2]
+    exact = exact_joint(loaded, prompt, params)
+    llm = LLM(loaded=loaded, max_num_seqs=512,
+              speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+    n = 6000
+    per_request = [SamplingParams(**{**{f: getattr(params, f) for f in params.__slots__}, "seed": i}) for i in range(n)]
+    outs = llm.generate([prompt] * n, per_request, use_tqdm=False)
+    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [n, 3]
+    assert 0.2 < LLM.aggregate_spec_stats(outs).acceptance_rate < 0.95  # an imperfect draft
+    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
+    assert chi_square_pvalue(cells, exact) > 1e-3
+
+
+def test_bad_speculative_configs_are_refused(tiny, tmp_path):
+    loaded = tiny["loaded"]
+    cases = [
+        ({"method": "medusa2"}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 1000}, "num_speculative_tokens"),
+        ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+        ({"method": "ngram", "k": 3}, "unknown keys"),
+        ({"method": "draft_model"}, "draft model's path"),
+    ]
+    for cfg, needle in cases:
+        with pytest.raises(InvalidParameterError, match=needle):
+            LLM(loaded=loaded, speculative_config=cfg)
+    other_vocab = make_tiny_checkpoint(tmp_path / "v", vocab_size=96)
+    with pytest.raises(InvalidParameterError, match="vocabulary has 96 tokens but the target's has 64"):
+        LLM(loaded=loaded, speculative_config={"method": "draft_model", "model": str(other_vocab)})
