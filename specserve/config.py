@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from specserve.errors import InvalidParameterError
+from specserve.spec.ngram import check_lookup_params
 
 SPEC_METHODS = ("ngram", "draft_model")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
@@ -28,15 +29,7 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise InvalidParameterError("num_speculative_tokens", k, f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
         if self.method == "ngram":
-            for name in ("prompt_lookup_min", "prompt_lookup_max"):
-                v = getattr(self, name)
-                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                    raise InvalidParameterError(name, v, "must be an integer in [1, 64]")
-            if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise InvalidParameterError(
-                    "prompt_lookup_min", self.prompt_lookup_min,
-                    f"must be <= prompt_lookup_max ({self.prompt_lookup_max})",
-                )
+            check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
         if self.method == "draft_model" and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model, "method 'draft_model' needs the draft model's path")
 

@@ -115,6 +115,10 @@ class DraftModelProposer(Proposer):
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
+    # Verification only ever changes the tail, so the whole-prefix comparison (one C-level
+    # list compare) settles it almost always; the loop runs only past a divergence.
+    if a[:n] == b[:n]:
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

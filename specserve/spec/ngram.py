@@ -74,20 +74,25 @@ class NgramIndex:
         return []
 
 
+def check_lookup_params(prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+    """The one check of the n-gram lengths, shared by the proposer and SpeculativeConfig."""
+    for param, value in (("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PROMPT_LOOKUP:
+            raise InvalidParameterError(param, value, f"must be an integer in [1, {MAX_PROMPT_LOOKUP}]")
+    if prompt_lookup_max < prompt_lookup_min:
+        raise InvalidParameterError(
+            "prompt_lookup_max", prompt_lookup_max,
+            f"must be in [prompt_lookup_min={prompt_lookup_min}, {MAX_PROMPT_LOOKUP}]",
+        )
+
+
 class NgramProposer(Proposer):
     """Prompt lookup decoding: drafts are copies of what followed the same n-gram earlier."""
 
     name = "ngram"
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
-        for param, value in (("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PROMPT_LOOKUP:
-                raise InvalidParameterError(param, value, f"must be an integer in [1, {MAX_PROMPT_LOOKUP}]")
-        if prompt_lookup_max < prompt_lookup_min:
-            raise InvalidParameterError(
-                "prompt_lookup_max", prompt_lookup_max,
-                f"must be in [prompt_lookup_min={prompt_lookup_min}, {MAX_PROMPT_LOOKUP}]",
-            )
+        check_lookup_params(prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.indexes: dict[str, NgramIndex] = {}

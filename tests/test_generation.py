@@ -1,0 +1,122 @@
+"""Generation semantics on the offline API: stop rules, limits, seeds, streaming, bad input."""
+
+import pytest
+
+from specserve.errors import InvalidParameterError, PromptError
+from specserve.llm import LLM
+from specserve.model.loader import load_model
+from specserve.sampling_params import SamplingParams
+from tests.helpers import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("gen") / "m", vocab_size=64, seed=3)
+    return LLM(loaded=load_model(folder), max_model_len=64, max_num_seqs=4)
+
+
+PROMPT = [5, 9, 12, 5, 9]
+
+
+def greedy(llm, **kw):
+    return llm.generate([PROMPT], SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+
+
+def test_max_tokens_and_length_finish(llm):
+    out = greedy(llm, max_tokens=7, ignore_eos=True)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_token_ids_end_generation_at_that_token(llm):
+    full = greedy(llm, max_tokens=20, ignore_eos=True).token_ids
+    stop_at = full[5]
+    first = full.index(stop_at)
+    out = greedy(llm, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_at])
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_strings_truncate_text(llm):
+    full = greedy(llm, max_tokens=20, ignore_eos=True)
+    words = full.text.split()
+    stop = " ".join(words[3:5])
+    out = greedy(llm, max_tokens=20, ignore_eos=True, stop=[stop])
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = 1  # "</s>" in the tiny tokenizer; this prompt's greedy continuation reaches it at step 16
+    assert llm.tokenizer.eos_token_ids == {eos}
+    params = dict(temperature=0, max_tokens=40)
+    full = llm.generate([[2, 3, 4, 5]], SamplingParams(**params, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    out = llm.generate([[2, 3, 4, 5]], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    assert eos in full.token_ids and len(full.token_ids) == 40
+    assert out.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and out.finish_reason == "stop"
+
+
+def test_context_limit_finishes_with_length(llm):
+    out = llm.generate([list(range(2, 60))], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 64 - 58 and out.finish_reason == "length"
+
+
+def test_same_seed_same_output_and_batch_independence(llm):
+    p = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, min_p=0.01, max_tokens=16, seed=7, ignore_eos=True)
+    a = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm.generate([[3, 4], PROMPT, [8]], p, use_tqdm=False)[1].outputs[0].token_ids
+    c = llm.generate([PROMPT], SamplingParams(**{**{f: getattr(p, f) for f in p.__slots__}, "seed": 8}),
+                     use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_stream_pieces_add_up_to_the_text(llm):
+    pieces, last = [], None
+    for out in llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)):
+        pieces.append(out.new_text)
+        last = out
+    assert "".join(pieces) == last.outputs[0].text and last.finished
+
+
+def test_outputs_come_back_in_input_order(llm):
+    prompts = [[2 + i, 3 + i] for i in range(7)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    solo = [llm.generate([p], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+            for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [s.outputs[0].token_ids for s in solo]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -3}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 10**9}, "max_tokens"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"),
+])
+def test_invalid_sampling_params_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidParameterError, match=param) as e:
+        SamplingParams(**kwargs)
+    assert e.value.param == param
+
+
+def test_bad_prompts(llm):
+    with pytest.raises(PromptError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(PromptError, match="context"):
+        llm.generate([list(range(2, 60)) * 2], use_tqdm=False)
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 999]], use_tqdm=False)
+    with pytest.raises(PromptError):
+        llm.chat([], use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="role"):
+        llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False)
+    # The engine is still usable after refusing bad input.
+    assert len(greedy(llm, max_tokens=3, ignore_eos=True).token_ids) == 3
