@@ -37,10 +37,11 @@ def test_jsonl_workload_with_field(tmp_path):
 
 
 def test_figures_compare_prompt_by_prompt():
-    base = [Sample("x", [1, 2, 3, 4], 2.0), Sample("y", [5, 6], 1.0)]
-    spec = [Sample("x", [1, 2, 3, 4], 1.0, drafted=6, accepted=3, emitted=6, passes=3), Sample("y", [5, 7], 1.0, 2, 0, 1, 1)]
+    base = [Sample("x", [1, 2, 3, 4], 2.0, 0.5), Sample("y", [5, 6], 1.0, 0.5)]
+    spec = [Sample("x", [1, 2, 3, 4], 1.0, 0.5, drafted=6, accepted=3, emitted=6, passes=3),
+            Sample("y", [5, 7], 1.0, 0.5, 2, 0, 1, 1)]
     f = figures(spec, base, speculative=True, greedy=True)
-    assert f.tokens_per_s == 3.0 and f.speedup == 1.5
+    assert f.tokens_per_s == 3.0 and f.speedup == 1.5 and f.decode_tokens_per_s == 4 / 1.0
     assert f.acceptance_rate == 3 / 8 and f.mean_accepted_length == 7 / 4
     assert f.identical_to_baseline == 0.5
     assert figures(spec, base, speculative=True, greedy=False).identical_to_baseline is None

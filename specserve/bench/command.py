@@ -158,14 +158,14 @@ def _fmt(x, spec="{:.2f}", suffix=""):
 
 
 def _print_table(reports: list[dict], seconds: float) -> None:
-    print(f"{'configuration':<28} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tau':>6} {'identical':>9}")
+    print(f"{'configuration':<32} {'tok/s':>8} {'decode':>8} {'speedup':>8} {'accept':>7} {'tau':>6} {'identical':>9}")
     for r in reports:
-        print(f"{r['label']:<28} {r['tokens_per_s']:>8.1f} {_fmt(r['speedup'], suffix='x'):>8} "
+        print(f"{r['label']:<32} {r['tokens_per_s']:>8.1f} {r['decode_tokens_per_s']:>8.1f} {_fmt(r['speedup'], suffix='x'):>8} "
               f"{_fmt(r['acceptance_rate']):>7} {_fmt(r['mean_accepted_length']):>6} {_fmt(r['identical_to_baseline']):>9}")
     cats = list(reports[0]["per_category"])
     if len(cats) > 1:
         print("\nspeedup over plain by category:")
-        print(f"{'configuration':<28} " + " ".join(f"{c[:10]:>10}" for c in cats))
+        print(f"{'configuration':<32} " + " ".join(f"{c[:10]:>10}" for c in cats))
         for r in reports[1:]:
-            print(f"{r['label']:<28} " + " ".join(f"{_fmt(r['per_category'][c]['speedup'], suffix='x'):>10}" for c in cats))
+            print(f"{r['label']:<32} " + " ".join(f"{_fmt(r['per_category'][c]['speedup'], suffix='x'):>10}" for c in cats))
     print(f"(measured in {seconds:.0f}s)")

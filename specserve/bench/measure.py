@@ -18,6 +18,7 @@ class Sample:
     category: str
     token_ids: list[int]
     seconds: float  # wall clock of the whole request, prefill included
+    first_token_seconds: float  # wall clock until the first generated token (prefill)
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0  # tokens from decode/verify passes
@@ -47,13 +48,14 @@ class SpecserveRunner:
         out = self.llm.generate([prompt_ids], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t
         s = out.spec
-        return Sample(category, out.outputs[0].token_ids, seconds, s.num_drafted, s.num_accepted, s.num_emitted,
-                      s.num_target_passes)
+        return Sample(category, out.outputs[0].token_ids, seconds, out.metrics.first_token_time - t, s.num_drafted,
+                      s.num_accepted, s.num_emitted, s.num_target_passes)
 
 
 @dataclass(slots=True)
 class Figures:
     tokens_per_s: float
+    decode_tokens_per_s: float  # tokens after the first over the time after the first
     speedup: float | None
     acceptance_rate: float | None
     mean_accepted_length: float | None
@@ -63,7 +65,7 @@ class Figures:
 
     def as_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
-        return {"tokens_per_s": r(self.tokens_per_s), "speedup": r(self.speedup), "acceptance_rate": r(self.acceptance_rate),
+        return {"tokens_per_s": r(self.tokens_per_s), "decode_tokens_per_s": r(self.decode_tokens_per_s), "speedup": r(self.speedup), "acceptance_rate": r(self.acceptance_rate),
                 "mean_accepted_length": r(self.mean_accepted_length), "identical_to_baseline": r(self.identical_to_baseline),
                 "num_prompts": self.num_prompts, "num_tokens": self.num_tokens}
 
@@ -75,6 +77,8 @@ def figures(samples: list[Sample], baseline: list[Sample] | None, speculative: b
     tokens = sum(len(s.token_ids) for s in samples)
     seconds = sum(s.seconds for s in samples)
     tps = tokens / seconds if seconds > 0 else 0.0
+    decode_seconds = sum(s.seconds - s.first_token_seconds for s in samples)
+    decode_tps = sum(max(0, len(s.token_ids) - 1) for s in samples) / decode_seconds if decode_seconds > 0 else 0.0
     speedup = identical = None
     if baseline is not None:
         base = figures(baseline, None, False, greedy)
@@ -85,6 +89,7 @@ def figures(samples: list[Sample], baseline: list[Sample] | None, speculative: b
     passes = sum(s.passes for s in samples)
     return Figures(
         tokens_per_s=tps,
+        decode_tokens_per_s=decode_tps,
         speedup=speedup,
         acceptance_rate=(sum(s.accepted for s in samples) / drafted if drafted else 0.0) if speculative else None,
         mean_accepted_length=(sum(s.emitted for s in samples) / passes if passes else 0.0) if speculative else None,

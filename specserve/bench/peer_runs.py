@@ -57,12 +57,32 @@ class TransformersRunner:
             "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k or None}
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        t = time.perf_counter()
+        clock = _FirstTokenClock()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=params.max_tokens,
-                                  eos_token_id=self.eos, pad_token_id=self.eos[0], **sampling, **self.extra)
+                                  eos_token_id=self.eos, pad_token_id=self.eos[0], streamer=clock, **sampling, **self.extra)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return Sample(category, out[0, len(prompt_ids):].tolist(), time.perf_counter() - t)
+        return Sample(category, out[0, len(prompt_ids):].tolist(), time.perf_counter() - clock.start,
+                      clock.first_token - clock.start)
+
+
+class _FirstTokenClock:
+    """A generate() streamer that only notes when the first new token arrives (its first call
+    carries the prompt)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.first_token = self.start
+        self.calls = 0
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token = time.perf_counter()
+
+    def end(self) -> None:
+        if self.calls < 2:
+            self.first_token = time.perf_counter()
 
 
 class LlamaCppRunner:
@@ -89,12 +109,14 @@ class LlamaCppRunner:
         if params.seed is not None:
             self.llm.set_seed(params.seed)
         tokens: list[int] = []
-        t = time.perf_counter()
+        t = first = time.perf_counter()
         for tok in self.llm.generate(prompt_ids, reset=True, **sampling):
+            if not tokens:
+                first = time.perf_counter()
             tokens.append(int(tok))
             if tok in self.eos or len(tokens) >= params.max_tokens:
                 break
-        return Sample(category, tokens, time.perf_counter() - t)
+        return Sample(category, tokens, time.perf_counter() - t, first - t)
 
 
 def build_peers(names: list[str], loaded: LoadedModel, ks: list[int], prompt_lookup_max: int,
