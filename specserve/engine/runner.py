@@ -33,13 +33,12 @@ class ModelRunner:
         """-> float32 logits [B, T, V] (all_logits) or [B, 1, V] (last token of each request)."""
         lens = [len(t) for t in batch.token_ids]
         t = max(lens)
-        ids = torch.zeros(len(lens), t, dtype=torch.long)
-        for i, toks in enumerate(batch.token_ids):
-            ids[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
+        # Padded in Python, so that the step's ids cost one tensor, not one per request.
+        ids = torch.tensor([list(toks) + [0] * (t - len(toks)) for toks in batch.token_ids], dtype=torch.long)  # [B, T]
         meta = self.cache.metadata(batch.slot_ids, batch.start_positions, lens)
         hidden = self.model(ids.to(self.device), meta, self.cache)  # [B, T, hidden]
         if not batch.all_logits:
-            last = torch.tensor(lens, device=self.device) - 1
+            last = torch.tensor([n - 1 for n in lens], device=self.device)
             hidden = hidden[torch.arange(len(lens), device=self.device), last].unsqueeze(1)  # [B, 1, hidden]
         return self.model.compute_logits(hidden)
 

@@ -23,8 +23,9 @@ class AttentionMetadata:
     write_index: torch.Tensor  # [B * T] int64: flat cache row each token's k/v goes to (a trash row for padding)
     slot_ids: torch.Tensor  # [B] int64: cache slot of each request
     context_len: int  # keys [0, context_len) are read: max over requests of (last position + 1)
-    # [B, 1, T, context_len] bool: query may see key; None when every row sees all keys
-    # causally without help (a single request with one query token).
+    # [B, 1, T, context_len] additive mask in the cache dtype: 0 where the query may see the
+    # key, -inf elsewhere (SDPA would convert a bool mask to this in every layer); None when
+    # every row sees all keys causally without help (a single request with one query token).
     mask: torch.Tensor | None
     single_slot: int | None  # the slot when B == 1, so that reads are views, not gathers
 
@@ -43,6 +44,10 @@ class DenseKVCache:
         shape = (num_layers, num_slots * self.stride, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer views [1, Hkv, rows, D], the layout attention reads, made once: at this
+        # model size every view op of a step costs microseconds (see llama.py).
+        self.k_heads = [kl.unsqueeze(0).transpose(1, 2) for kl in self.k]
+        self.v_heads = [vl.unsqueeze(0).transpose(1, 2) for vl in self.v]
 
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
@@ -65,8 +70,8 @@ class DenseKVCache:
         mask = None
         if bsz > 1 or t > 1:
             keys = torch.arange(context_len)
-            mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
-            mask = mask.to(device)
+            visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+            mask = torch.zeros(visible.shape, dtype=self.k.dtype).masked_fill_(~visible, float("-inf")).to(device)
         return AttentionMetadata(
             positions=positions.to(device),
             write_index=write.reshape(-1).to(device),
@@ -80,19 +85,19 @@ class DenseKVCache:
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [B, T, H, D]; k, v: [B, T, Hkv, D] -> attention output [B, T, H * D]."""
         bsz, t, h, d = q.shape
-        kc, vc = self.k[layer], self.v[layer]
-        kc.index_copy_(0, meta.write_index, k.reshape(bsz * t, *k.shape[2:]))
-        vc.index_copy_(0, meta.write_index, v.reshape(bsz * t, *v.shape[2:]))
+        self.k[layer].index_copy_(0, meta.write_index, k.reshape(bsz * t, *k.shape[2:]))
+        self.v[layer].index_copy_(0, meta.write_index, v.reshape(bsz * t, *v.shape[2:]))
         s = meta.context_len
         if meta.single_slot is not None:
             base = meta.single_slot * self.stride
-            keys = kc[base:base + s].unsqueeze(0)  # [1, S, Hkv, D] view
-            values = vc[base:base + s].unsqueeze(0)
+            keys = self.k_heads[layer][:, :, base:base + s]  # [1, Hkv, S, D] view
+            values = self.v_heads[layer][:, :, base:base + s]
         else:
             rows = meta.slot_ids[:, None] * self.stride + torch.arange(s, device=q.device)[None, :]
-            keys, values = kc[rows], vc[rows]  # [B, S, Hkv, D]
+            keys, values = self.k[layer][rows].transpose(1, 2), self.v[layer][rows].transpose(1, 2)  # [B, Hkv, S, D]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=meta.mask, enable_gqa=keys.shape[2] != h,
+            q.transpose(1, 2), keys, values, attn_mask=meta.mask, enable_gqa=keys.shape[1] != h,
         )  # [B, H, T, D]
+        if t == 1:  # [B, H, 1, D] is already laid out as [B, 1, H * D]
+            return out.reshape(bsz, 1, h * d)
         return out.transpose(1, 2).reshape(bsz, t, h * d)

@@ -1,9 +1,14 @@
 """Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama) over the project's
 attention interface.
 
-Weights are stored fused where the maths allows it: one [q; k; v] projection and one
-[gate; up] projection per layer. At the embedded model's size, per-op overhead rivals the
-matrix products on a CPU, so two matmuls fewer per layer is a measurable share of a step.
+At the embedded model's size a CPU step is the weights' read plus the cost of every other op,
+and in a real step that cost is far above a micro-benchmark's: each matrix product streams
+megabytes of weights through the caches and evicts the interpreter's and PyTorch's working set,
+so a small op after it takes 5-50 us instead of 1-10 (measured on the project's CPU: ~270 us a
+layer for ~20 small ops). Hence as few ops per layer as the arithmetic allows: weights fused
+where the maths allows it (one [q; k; v] and one [gate; up] projection), RoPE applied to q and
+k in one pass with tables gathered once per step, the residual adds fused into the o and down
+projections (see linear.py), and one call per RMSNorm.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from torch import nn
 
 from specserve.model.attention import AttentionMetadata, DenseKVCache
 from specserve.model.config import ModelConfig, rope_inv_freq
+from specserve.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -23,29 +29,36 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale in the model dtype, as the reference implementation
-        # does; in float32 the two casts are no-ops.
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        # One call. In float32 it is the reference implementation's arithmetic exactly; in
+        # bfloat16/float16 torch normalises and scales in float32 and rounds once, where the
+        # reference rounds before scaling too (a difference within half-precision rounding).
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_positions, head_dim // 2] in float32, gathered by position."""
+    """Full-width tables [max_positions, head_dim] in float32, gathered by position: cos is
+    [cos, cos] and sin is [-sin, sin], so that rotate-half RoPE is x * cos + swap_halves(x) * sin."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, T, 1, head_dim // 2] (broadcast over heads)."""
+        """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
         return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [B, T, H, D]; cos, sin: [B, T, 1, D // 2]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate-half RoPE. x: [B, T, H, D]; cos, sin: [B, T, 1, D] from RotaryEmbedding.tables.
+
+    The same products and sums, rounded the same way, as the reference's
+    x * cos + cat(-x2, x1) * sin, in four ops instead of eight. (A fused multiply-add would save
+    one more but rounds differently: 9e-5 off the reference's logits in float32.)
+    """
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1], a new tensor
+    return (x * cos).add_(swapped.mul_(sin))
 
 
 class Attention(nn.Module):
@@ -53,30 +66,33 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Split sizes along the head axis of the qkv output: [q, k | v], then [q | k].
+        self.qk_v_heads = [cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads]
+        self.q_k_heads = [cfg.num_heads, cfg.num_kv_heads]
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: DenseKVCache) -> torch.Tensor:
-        bsz, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(bsz, t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(bsz, t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(bsz, t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(cache.attend(self.layer, q, k, v, meta))
+        """h: normalised [B, T, hidden] -> residual + attention output [B, T, hidden]."""
+        qkv = self.qkv_proj(h).unflatten(-1, (-1, self.head_dim))  # [B, T, H + 2 Hkv, D]
+        # q and k heads are adjacent, so one RoPE call rotates both.
+        qk, v = qkv.split(self.qk_v_heads, dim=2)
+        q, k = apply_rope(qk, cos, sin).split(self.q_k_heads, dim=2)
+        return self.o_proj.forward_add(cache.attend(self.layer, q, k, v, meta), residual)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """h: normalised [B, T, hidden] -> residual + SwiGLU(h) [B, T, hidden]."""
+        gate, up = self.gate_up_proj(h).split(self.intermediate, dim=-1)
+        return self.down_proj.forward_add(F.silu(gate).mul_(up), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -88,8 +104,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.self_attn(self.input_layernorm(x), x, cos, sin, meta, cache)
+        return self.mlp(self.post_attention_layernorm(x), x)
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +119,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
