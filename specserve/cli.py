@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-plain", action="store_true",
                    help="also run plain decoding of the same request and print the speedup and whether outputs match")
 
-    from specserve.bench.command import add_bench_parser
+    from specserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
     return parser
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
-            from specserve.bench.command import run_bench
+            from specserve.bench.cli import run_bench
             return run_bench(args)
     except SpecserveError as e:
         print(f"specserve: error: {e}", file=sys.stderr)

@@ -1,0 +1,211 @@
+"""`specserve bench`: plain decoding, each speculative method and the peers on the same prompts,
+in one run, with one line of figures per configuration.
+
+Only argparse work happens at import: torch, the engine and the peers load when a bench runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import replace
+
+from specserve.bench.runner import Config
+from specserve.errors import InvalidParameterError
+
+METHODS = ("none", "ngram", "draft_model")
+PEERS = ("transformers", "llama.cpp")
+
+
+def add_bench_parser(sub) -> None:
+    from specserve.cli import _add_model_args
+
+    b = sub.add_parser("bench", help="measure plain decoding, speculative methods and peers side by side",
+                       description="Plain decoding always runs: it is the baseline of speedup and identity.")
+    b.add_argument("--workload", default="spec_bench", help="'spec_bench' (480 prompts, 13 categories) or a JSONL file")
+    b.add_argument("--field", default="turns", help="JSONL field holding the prompt (a string or a list of turns)")
+    b.add_argument("--limit", type=int, default=None, help="first N prompts (after the category filters)")
+    b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
+    b.add_argument("--categories", default=None, help="comma list of categories")
+    b.add_argument("--methods", default="none,ngram", help=f"comma list of {', '.join(METHODS[:2])}, draft_model:PATH")
+    b.add_argument("--num-speculative-tokens", default="4", help="k, or a comma list to sweep (e.g. 2,4,6)")
+    b.add_argument("--prompt-lookup-max", type=int, default=4)
+    b.add_argument("--prompt-lookup-min", type=int, default=1)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--seed", type=int, default=0, help="base seed; prompt i samples with seed + i in every configuration")
+    b.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads; default: torch's own")
+    b.add_argument("--peers", default="", help=f"comma list of {', '.join(PEERS)}")
+    b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    _add_model_args(b)
+
+
+def parse_methods(text: str) -> list[tuple[str, str | None]]:
+    """'none,ngram,draft_model:PATH' -> [(name, draft path or None)]."""
+    out = []
+    for item in filter(None, (m.strip() for m in text.split(","))):
+        name, _, path = item.partition(":")
+        if name not in METHODS:
+            raise InvalidParameterError("methods", item, "each must be one of none, ngram, draft_model:PATH")
+        if name == "draft_model" and not path:
+            raise InvalidParameterError("methods", item, "draft_model needs a path: draft_model:PATH")
+        if (name, path or None) not in out:
+            out.append((name, path or None))
+    if not out:
+        raise InvalidParameterError("methods", text, "name at least one of none, ngram, draft_model:PATH")
+    return out
+
+
+def parse_ks(text: str) -> list[int]:
+    try:
+        ks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError("num_speculative_tokens", text, "must be an integer or a comma list of integers") from None
+    if not ks:
+        raise InvalidParameterError("num_speculative_tokens", text, "must name at least one k")
+    return list(dict.fromkeys(ks))
+
+
+def parse_peers(text: str) -> list[str]:
+    peers = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in peers if p not in PEERS]
+    if bad:
+        raise InvalidParameterError("peers", ",".join(bad), f"each must be one of {', '.join(PEERS)}")
+    return peers
+
+
+def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lookup_min: int,
+                        lookup_max: int) -> list[tuple[Config, dict]]:
+    """The speculative configurations (plain decoding is not one of them: it always runs)."""
+    from specserve.config import SpeculativeConfig
+    from specserve.model.loader import resolve_model_path
+
+    out = []
+    for name, path in methods:
+        if path is not None:
+            resolve_model_path(path)  # a missing draft is reported before the target loads
+        for k in ([] if name == "none" else ks):
+            if name == "ngram":
+                spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
+                        "prompt_lookup_min": lookup_min}
+            else:
+                spec = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+            SpeculativeConfig.from_dict(spec)  # refuse bad settings before loading anything
+            out.append((Config(name, k, path), spec))
+    return out
+
+
+def machine_info(device) -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def run_bench(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from specserve.bench.peers import PeerPlan, build_peers
+    from specserve.bench.runner import SpecserveRunner, measure, report
+    from specserve.bench.workload import Selection, load_workload, select
+    from specserve.llm import LLM
+    from specserve.model.loader import load_model
+    from specserve.sampling_params import SamplingParams
+
+    # Everything the user typed is checked before seconds go into loading models.
+    methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
+    spec_configs = speculative_configs(methods, ks, args.prompt_lookup_min, args.prompt_lookup_max)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
+    selection = Selection.from_text(args.categories, args.per_category, args.limit)
+    prompts = select(load_workload(args.workload, args.field), selection)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise InvalidParameterError("json", args.json, "its folder does not exist")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidParameterError("threads", args.threads, "must be >= 1")
+        torch.set_num_threads(args.threads)
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    baseline = SpecserveRunner(Config("none"), LLM(loaded=loaded, max_model_len=args.max_model_len, max_num_seqs=1))
+    max_len = baseline.llm.engine_config.max_model_len
+    # Only prompts with room for max_tokens in the context, so that no configuration stops early
+    # for lack of room where another would not.
+    encoded = [(p.category, loaded.tokenizer.encode_chat([{"role": "user", "content": p.text}])) for p in prompts]
+    fitting = [(c, ids) for c, ids in encoded if len(ids) + args.max_tokens <= max_len]
+    if not fitting:
+        raise InvalidParameterError("max_model_len", max_len, f"no selected prompt leaves room for {args.max_tokens} "
+                                    "new tokens; raise --max-model-len or lower --max-tokens")
+    runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, max_model_len=max_len, max_num_seqs=1))
+                            for c, s in spec_configs]
+    runners += build_peers(peers, loaded, PeerPlan(ks, args.prompt_lookup_max, [p for n, p in methods if p], max_len),
+                           log=lambda msg: print(msg, file=sys.stderr))
+
+    machine = machine_info(loaded.model.device)
+    categories = [c for c, _ in fitting]
+    workload = {"name": args.workload, "num_prompts": len(fitting), "skipped_too_long": len(encoded) - len(fitting),
+                "categories": {c: categories.count(c) for c in dict.fromkeys(categories)},
+                "prompt_tokens": sum(len(ids) for _, ids in fitting)}
+    settings = {"dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "seed": args.seed, "max_model_len": max_len, "prompt_lookup_max": args.prompt_lookup_max,
+                "prompt_lookup_min": args.prompt_lookup_min}
+    _print_header(loaded.name, machine, workload, settings)
+
+    t0 = time.perf_counter()
+    warmup = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, seed=args.seed)
+    with tqdm(total=len(fitting) * len(runners), desc="bench", unit="run", file=sys.stderr) as bar:
+        samples = measure(runners, [ids for _, ids in fitting], lambda i: replace(params, seed=args.seed + i), warmup,
+                          lambda: bar.update(1))
+    reports = [report(r.config, s, samples[0], categories, args.temperature) for r, s in zip(runners, samples)]
+    _print_table(reports, time.perf_counter() - t0)
+    if args.json:
+        doc = {"machine": machine, "model": loaded.name, "model_path": str(loaded.path), "settings": settings,
+               "workload": workload, "results": [r.as_dict() for r in reports]}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _print_header(model: str, machine: dict, workload: dict, settings: dict) -> None:
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    cats = ", ".join(f"{c} {n}" for c, n in workload["categories"].items())
+    skipped = f" ({workload['skipped_too_long']} too long for the context skipped)" if workload["skipped_too_long"] else ""
+    print(f"workload: {workload['name']}, {workload['num_prompts']} prompts{skipped}: {cats}")
+    print(f"model: {model} ({settings['dtype']}) | max_tokens {settings['max_tokens']} | "
+          f"temperature {settings['temperature']} | top_p {settings['top_p']} | seed {settings['seed']}")
+
+
+def _fmt(x, spec: str = "{:.2f}", suffix: str = "") -> str:
+    return "-" if x is None else spec.format(x) + suffix
+
+
+def _print_table(reports, seconds: float) -> None:
+    width = max(24, *(len(r.config.label) for r in reports)) + 1
+    print(f"\n{'configuration':<{width}} {'tok/s':>8} {'decode':>8} {'speedup':>8} {'accept':>7} {'tau':>6} {'identical':>9}")
+    for r in reports:
+        f = r.overall
+        print(f"{r.config.label:<{width}} {f.tokens_per_s:>8.1f} {f.decode_tokens_per_s:>8.1f} "
+              f"{_fmt(f.speedup, suffix='x'):>8} {_fmt(f.acceptance_rate):>7} {_fmt(f.mean_accepted_length):>6} "
+              f"{_fmt(f.identical_to_baseline):>9}")
+    cats = list(reports[0].per_category)
+    if len(cats) > 1 and len(reports) > 1:
+        print("\nspeedup over plain by category:")
+        print(f"{'configuration':<{width}} " + " ".join(f"{c[:11]:>11}" for c in cats))
+        for r in reports[1:]:
+            print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(r.per_category[c].speedup, suffix='x'):>11}" for c in cats))
+    print(f"\n(tok/s: generated tokens over request time, prefill included; decode: after the first token; "
+          f"tau: tokens per target pass; measured in {seconds:.0f}s)")
