@@ -19,7 +19,8 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+# eq=False: requests are compared by identity (the scheduler's list lookups), never field by field.
+@dataclass(slots=True, eq=False)
 class Request:
     """Tokens are `prompt_token_ids + output_token_ids`; the KV cache holds the first
     `num_computed_tokens` of them. Rolling back rejected drafts only lowers that count: drafts
