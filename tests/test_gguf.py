@@ -28,15 +28,27 @@ def test_greedy_continuation_equals_transformers_on_same_gguf(smollm, hf_smollm)
     assert "Paris" in out.outputs[0].text
 
 
-def test_prefill_logits_match_transformers(smollm, hf_smollm):
+def test_prefill_logits_as_accurate_as_transformers(smollm, hf_smollm):
+    """Prefill logits of the 30-layer embedded model, judged against a float64 run of
+    transformers on the same weights. Both float32 implementations sum in their own kernels'
+    orders (specserve: oneDNN-prepacked matrices, transformers: MKL), so each carries float32
+    rounding, ~1e-5 RMS and ~1e-4 at worst on logits of ~30 after 30 layers. specserve's error
+    must be of the same order as the reference's own (measured: 1.4x RMS, 1.7x max)."""
+    import copy
+
     ids = smollm.tokenizer.encode_chat(MESSAGES)
     from specserve.model.attention import DenseKVCache
     cfg = smollm.config
     cache = DenseKVCache(cfg.num_layers, 1, 128, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     with torch.no_grad():
         mine = smollm.model.compute_logits(smollm.model(torch.tensor([ids]), cache.metadata([0], [0], [len(ids)]), cache))
-        ref = hf_smollm(torch.tensor([ids])).logits
-    assert (mine - ref).abs().max().item() <= 1e-4
+        ref32 = hf_smollm(torch.tensor([ids])).logits
+        ref64 = copy.deepcopy(hf_smollm).double()(torch.tensor([ids])).logits
+    err_mine, err_ref = mine.double() - ref64, ref32.double() - ref64
+    assert (mine - ref32).abs().max().item() <= 5e-4
+    assert err_mine.abs().max() <= 2 * err_ref.abs().max()
+    assert err_mine.pow(2).mean().sqrt() <= 2 * err_ref.pow(2).mean().sqrt()
+    assert torch.equal(mine.argmax(-1), ref64.argmax(-1))
 
 
 def test_embedded_config_read_from_metadata(smollm):
