@@ -1,0 +1,159 @@
+"""A paged KV cache behind the same `attend(layer, q, k, v, meta)` interface as DenseKVCache.
+
+Each request owns a list of fixed-size blocks (its block table, handed out by the engine's block
+allocator); position p of a request lives in block `table[p // block_size]` at offset
+`p % block_size`. Writes go through a flat slot index, reads gather the request's blocks in
+table order, so the model sees the same [B, Hkv, S, D] keys as with the dense cache.
+
+Rollback is the dense cache's: lowering a request's computed length (and freeing tail blocks)
+is all it takes, because a query at position p only sees keys at positions <= p of its own
+request, all of which were (re)written by then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PagedAttentionMetadata:
+    """Where the tokens of one forward pass sit. Batch rows are requests, padded to T tokens.
+
+    `positions` means what it means in AttentionMetadata (the model's RoPE reads it)."""
+
+    positions: torch.Tensor  # [B, T] int64: position of each query token (0 for padding)
+    # [B * T] int64: flat slot (block * block_size + offset) each token's k/v goes to; padding
+    # goes to the trash block.
+    write_index: torch.Tensor
+    # [B, N] int64: each request's first N = ceil(context_len / block_size) blocks; a row that
+    # needs fewer is padded with its own first block (gathered, then masked out).
+    block_tables: torch.Tensor
+    context_len: int  # keys [0, context_len) are read: max over requests of (last position + 1)
+    # [B, 1, T, context_len] additive mask in the cache dtype: 0 where the query may see the
+    # key, -inf elsewhere; None when a single request with one query token sees all keys.
+    mask: torch.Tensor | None
+    # When B == 1 and the request's N blocks are consecutive ids, the first of them: reads are
+    # then views of the pool, not gathers. None otherwise.
+    first_block: int | None
+
+
+class PagedKVCache:
+    """Per-layer K and V pools of fixed-size blocks, shared by all requests.
+
+    k, v: [num_layers, num_blocks + 1, block_size, Hkv, D]. Block `num_blocks` is a trash block
+    that padding tokens write into and nothing reads.
+
+    Layout: token-major blocks ([block_size, Hkv, D] per block, as in vLLM), for three reasons.
+    (1) A write is one index_copy_ into the flat [slots, Hkv, D] view, exactly the dense cache's
+    write. (2) It is the paged layout FlashAttention's kv-cache kernel takes
+    (k_cache [num_blocks, block_size, Hkv, D] plus a block table), so a CUDA decode kernel can
+    read these pools later without conversion. (3) Head-major blocks ([Hkv, block_size, D]) make
+    a gathered sequence contiguous per head, but measured on CPU (2 threads, Hkv=3, D=64,
+    block_size 16, SDPA included) that saved no time: 92 vs 102 us at B=1, S=1000, and was
+    slower at B=8 (779 vs 682 us); SDPA reads the strided [B, Hkv, S, D] view of a gather of
+    either layout at the same speed, as it does the dense cache's strided views.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.trash_block = num_blocks
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Per-layer flat views [slots, Hkv, D] that writes index, made once (view ops cost
+        # microseconds each at this model size, see llama.py).
+        self.k_slots = [kl.flatten(0, 1) for kl in self.k]
+        self.v_slots = [vl.flatten(0, 1) for vl in self.v]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        """K and V of one block across all layers."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @classmethod
+    def num_blocks_for_budget(cls, budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
+                              head_dim: int, dtype: torch.dtype) -> int:
+        """The most usable blocks whose pools (trash block included) fit in `budget_bytes`; 0 if
+        not even one does."""
+        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
+        return max(0, budget_bytes // per_block - 1)
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def metadata(self, block_tables: list[list[int]], start_positions: list[int],
+                 query_lens: list[int]) -> PagedAttentionMetadata:
+        """Metadata for requests that compute `query_lens[i]` tokens starting at position
+        `start_positions[i]` (the request's computed length), request i's positions living in
+        the blocks `block_tables[i]` (which may hold more blocks than this step needs)."""
+        if not (len(block_tables) == len(start_positions) == len(query_lens) >= 1):
+            raise ValueError("block_tables, start_positions and query_lens need one entry per request, at least one")
+        if min(query_lens) < 1:
+            raise ValueError(f"every request must compute at least one token, got query_lens={query_lens}")
+        device, bs = self.k.device, self.block_size
+        bsz, t = len(block_tables), max(query_lens)
+        context_len = max(s + q for s, q in zip(start_positions, query_lens))
+        n = -(-context_len // bs)  # blocks read per request
+        rows = []
+        for i, (table, s, q) in enumerate(zip(block_tables, start_positions, query_lens)):
+            need = -(-(s + q) // bs)
+            if len(table) < need:
+                raise ValueError(f"request {i} reaches position {s + q - 1}, which needs {need} blocks "
+                                 f"of {bs}, but its block table has {len(table)}")
+            rows.append(table[:need] + [table[0]] * (n - need))
+        tables = torch.tensor(rows, dtype=torch.int64)  # [B, N]
+        if int(tables.min()) < 0 or int(tables.max()) >= self.num_blocks:
+            raise ValueError(f"block ids must lie in [0, {self.num_blocks}), got {block_tables}")
+
+        offs = torch.arange(t)
+        start = torch.tensor(start_positions)[:, None]
+        valid = offs[None, :] < torch.tensor(query_lens)[:, None]  # [B, T]
+        positions = torch.where(valid, start + offs[None, :], 0)  # [B, T]
+        blocks = tables.gather(1, positions // bs)  # [B, T]
+        write = torch.where(valid, blocks * bs + positions % bs, self.trash_block * bs)
+
+        mask = None
+        if bsz > 1 or t > 1:
+            keys = torch.arange(context_len)
+            visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+            mask = torch.zeros(visible.shape, dtype=self.k.dtype).masked_fill_(~visible, float("-inf")).to(device)
+        first_block = None
+        if bsz == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + n)):
+            first_block = rows[0][0]
+        return PagedAttentionMetadata(
+            positions=positions.to(device),
+            write_index=write.reshape(-1).to(device),
+            block_tables=tables.to(device),
+            context_len=context_len,
+            mask=mask,
+            first_block=first_block,
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               meta: PagedAttentionMetadata) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, T, Hkv, D] -> attention output [B, T, H * D]."""
+        bsz, t, h, d = q.shape
+        self.k_slots[layer].index_copy_(0, meta.write_index, k.reshape(bsz * t, *k.shape[2:]))
+        self.v_slots[layer].index_copy_(0, meta.write_index, v.reshape(bsz * t, *v.shape[2:]))
+        s, n = meta.context_len, meta.block_tables.shape[1]
+        if meta.first_block is not None:
+            keys = self.k[layer][meta.first_block:meta.first_block + n]  # [N, block, Hkv, D] view
+            values = self.v[layer][meta.first_block:meta.first_block + n]
+        else:
+            keys, values = self.k[layer][meta.block_tables], self.v[layer][meta.block_tables]  # [B, N, block, Hkv, D]
+        # [B, N * block, Hkv, D] -> the first S keys, as [B, Hkv, S, D] (views)
+        keys = keys.reshape(bsz, n * self.block_size, *keys.shape[-2:])[:, :s].transpose(1, 2)
+        values = values.reshape(bsz, n * self.block_size, *values.shape[-2:])[:, :s].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=meta.mask, enable_gqa=keys.shape[1] != h,
+        )  # [B, H, T, D]
+        if t == 1:  # [B, H, 1, D] is already laid out as [B, 1, H * D]
+            return out.reshape(bsz, 1, h * d)
+        return out.transpose(1, 2).reshape(bsz, t, h * d)
