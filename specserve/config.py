@@ -51,11 +51,28 @@ class SpeculativeConfig:
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_model_len: int  # tokens of context per request (prompt + output)
-    max_num_seqs: int  # requests decoded together
+    max_num_seqs: int  # requests running together
     seed: int = 0
+    block_size: int = 16  # tokens per KV cache block
+    # KV pool size: `num_kv_blocks` blocks, or as many as `kv_cache_memory` bytes hold; neither
+    # given: enough for max_num_seqs requests at full context (what a dense cache would take).
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    # Tokens computed per step across requests (prompt chunks + decode tokens + drafts): the
+    # bound on a step's latency that chunked prefill keeps while long prompts come in.
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_num_seqs <= 4096:
             raise InvalidParameterError("max_num_seqs", self.max_num_seqs, "must be in [1, 4096]")
         if self.max_model_len < 2:
             raise InvalidParameterError("max_model_len", self.max_model_len, "must be >= 2")
+        if not 1 <= self.block_size <= 1024:
+            raise InvalidParameterError("block_size", self.block_size, "must be in [1, 1024]")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidParameterError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise InvalidParameterError("kv_cache_memory", self.kv_cache_memory, "must be a positive number of bytes")
+        if self.max_num_batched_tokens < 2:
+            raise InvalidParameterError("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 2")

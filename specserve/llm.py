@@ -29,7 +29,9 @@ class LLM:
 
     def __init__(self, model: str | None = "default", *, dtype: str = "float32", device: str | None = "cpu",
                  speculative_config: dict | SpeculativeConfig | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 4, seed: int = 0, loaded: LoadedModel | None = None):
+                 max_num_seqs: int = 4, seed: int = 0, loaded: LoadedModel | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True):
         self.spec_config = SpeculativeConfig.from_dict(speculative_config)
         self.target = loaded or load_model(model, dtype=dtype, device=device)
         context = self.target.config.max_position_embeddings
@@ -37,7 +39,10 @@ class LLM:
             max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
         if not 2 <= max_model_len <= context:
             raise InvalidParameterError("max_model_len", max_model_len, f"must be in [2, {context}] (the model's context)")
-        self.engine_config = EngineConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed)
+        self.engine_config = EngineConfig(
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
         proposer = build_proposer(self.spec_config, self.target, self.engine_config)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.engine = LLMEngine(self.target, self.engine_config, proposer, k)

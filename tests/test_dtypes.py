@@ -18,8 +18,8 @@ def test_half_precision_logits_track_float32(tmp_path, dtype):
     ref, half = load_model(folder, dtype="float32"), load_model(folder, dtype=dtype)
     assert half.model.dtype == getattr(torch, dtype)
     ids = [[3, 9, 17, 4, 22, 8, 5]]
-    a = ModelRunner(ref.model, 1, 32).execute(ForwardBatch([0], [0], ids, all_logits=True))
-    b = ModelRunner(half.model, 1, 32).execute(ForwardBatch([0], [0], ids, all_logits=True))
+    a = ModelRunner.dense(ref.model, 1, 32).execute(ForwardBatch([0], [0], ids, all_logits=True))
+    b = ModelRunner.dense(half.model, 1, 32).execute(ForwardBatch([0], [0], ids, all_logits=True))
     assert b.dtype == torch.float32 and torch.isfinite(b).all()
     rel = (a - b).norm() / a.norm()
     assert rel < 0.05

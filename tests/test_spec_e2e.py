@@ -103,10 +103,13 @@ def test_rejected_draft_entries_are_never_read(tiny):
     while engine.has_unfinished_requests():
         outs = engine.step()
         for r in reqs:
-            if r.slot is not None:
-                start = r.slot * cache.stride + r.num_computed_tokens
-                cache.k[:, start:(r.slot + 1) * cache.stride] = 1e3
-                cache.v[:, start:(r.slot + 1) * cache.stride] = 1e3
+            if r.request_id in engine.scheduler.kv:  # poison every slot of its blocks past the computed length
+                table = engine.scheduler.block_table(r)
+                slots = torch.arange(len(table) * cache.block_size).view(len(table), -1)
+                stale = (torch.tensor(table)[:, None] * cache.block_size + slots % cache.block_size).flatten()[r.num_computed_tokens:]
+                for layer in range(cache.k.shape[0]):
+                    cache.k_slots[layer][stale] = 1e3
+                    cache.v_slots[layer][stale] = 1e3
         rejected += sum(o.spec.num_drafted - o.spec.num_accepted for o in outs if o.finished)
     assert [r.output_token_ids for r in reqs] == plain
     assert rejected > 0

@@ -27,11 +27,11 @@ from specserve.model.loader import load_model
 def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int, vocab: int) -> dict[int, list[float]]:
     """Prefill `context` tokens, then time steps of each size in `sizes`, interleaved; -> ms per step."""
     ids = torch.randint(0, vocab, (context + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
-    runner.execute(ForwardBatch(slot_ids=[0], start_positions=[0], token_ids=[ids[:context]], all_logits=False))
+    runner.execute(ForwardBatch(locations=[0], start_positions=[0], token_ids=[ids[:context]], all_logits=False))
     times: dict[int, list[float]] = {t: [] for t in sizes}
     for r in range(rounds + 1):
         for t in sizes:
-            batch = ForwardBatch(slot_ids=[0], start_positions=[context], token_ids=[ids[context:context + t]],
+            batch = ForwardBatch(locations=[0], start_positions=[context], token_ids=[ids[context:context + t]],
                                  all_logits=True)
             start = time.perf_counter()
             runner.execute(batch)
@@ -64,7 +64,7 @@ def main() -> None:
     print(f"{'dtype':<10}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes) + f"{'T=max/T=1':>11}")
     for dtype in args.dtypes:
         loaded = load_model(args.model, dtype=dtype, device=args.device)
-        runner = ModelRunner(loaded.model, num_slots=1, max_len=args.context + max(args.sizes))
+        runner = ModelRunner.dense(loaded.model, num_slots=1, max_len=args.context + max(args.sizes))
         times = step_times(runner, args.context, args.sizes, args.rounds, loaded.config.vocab_size)
         med = {t: statistics.median(v) for t, v in times.items()}
         print(f"{dtype:<10}" + "".join(f"{med[t]:>10.1f}" for t in args.sizes)

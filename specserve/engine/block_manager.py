@@ -24,8 +24,9 @@ is why a rollback of rejected drafts never has to uncache anything.
 
 from __future__ import annotations
 
+import heapq
 from array import array
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
@@ -79,7 +80,9 @@ class BlockPool:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[BlockHash | None] = [None] * num_blocks  # set while registered
-        self.free_list: deque[int] = deque(range(num_blocks))
+        # A min-heap: the lowest free id is handed out first, so a request running alone gets
+        # consecutive blocks and the attention reads its keys as views instead of gathers.
+        self.free_list: list[int] = list(range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         # Cached blocks with ref count 0, least recently released first: eviction pops the front.
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -118,7 +121,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             if self.free_list:
-                b = self.free_list.popleft()
+                b = heapq.heappop(self.free_list)
             else:
                 b, _ = self.evictable.popitem(last=False)
                 del self.cached[self.block_hashes[b]]
@@ -140,7 +143,7 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 if self.block_hashes[b] is None:
-                    self.free_list.append(b)
+                    heapq.heappush(self.free_list, b)
                 else:
                     self.evictable[b] = None
 

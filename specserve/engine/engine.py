@@ -11,8 +11,9 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import ForwardBatch, ModelRunner
-from specserve.engine.scheduler import Scheduler
-from specserve.errors import PromptError
+from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.errors import InvalidParameterError, PromptError
+from specserve.model.paged_attention import PagedKVCache
 from specserve.model.loader import LoadedModel
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sample import SamplingTensors, VerifyOutput, make_generator, verify
@@ -29,9 +30,30 @@ class LLMEngine:
         self.config = config
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
-        self.runner = ModelRunner(target.model, config.max_num_seqs, config.max_model_len)
-        self.scheduler = Scheduler(config.max_num_seqs)
+        num_blocks = self._num_kv_blocks(target, config)
+        self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, num_blocks)
         self.requests: dict[str, Request] = {}
+
+    @staticmethod
+    def _num_kv_blocks(target: LoadedModel, config: EngineConfig) -> int:
+        """The pool's size in blocks; it must hold at least one request at full context, so
+        that any admitted request can always run (alone, after preempting the others)."""
+        per_request = -(-config.max_model_len // config.block_size)
+        if config.num_kv_blocks is not None:
+            num, what = config.num_kv_blocks, ("num_kv_blocks", config.num_kv_blocks)
+        elif config.kv_cache_memory is not None:
+            cfg = target.config
+            num = PagedKVCache.num_blocks_for_budget(config.kv_cache_memory, cfg.num_layers, config.block_size,
+                                                     cfg.num_kv_heads, cfg.head_dim, target.model.dtype)
+            what = ("kv_cache_memory", config.kv_cache_memory)
+        else:
+            return per_request * config.max_num_seqs
+        if num < per_request:
+            raise InvalidParameterError(
+                what[0], what[1], f"gives {num} KV blocks of {config.block_size} tokens, but one request at "
+                f"max_model_len={config.max_model_len} needs {per_request}; raise it or lower max_model_len")
+        return num
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -80,36 +102,54 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.proposer:
+            for r in sched.preempted:  # its draft state restarts with the recomputed request
+                self.proposer.remove_request(r.request_id)
         if sched.empty:
             return []
-        batch = sched.prefill or sched.decode
         if sched.prefill:
             self._prefill(sched.prefill)
-        else:
+        if sched.decode:
             self._decode(sched.decode)
-        outputs = [self._output(r) for r in batch]
-        for r in batch:
+        outputs = []
+        for s in sched.prefill + sched.decode:
+            r = s.request
+            self.scheduler.update(r)
+            if s.samples or r.finished:
+                outputs.append(self._output(r))
             if r.finished:
                 self._release(r)
         return outputs
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        fb = ForwardBatch([r.slot for r in reqs], [0] * len(reqs), [r.prompt_token_ids for r in reqs], all_logits=False)
+    def _prefill(self, chunks: list[ScheduledRequest]) -> None:
+        """Prompt chunks (of new, resumed or preempted requests); a chunk that reaches the
+        request's last token also samples its next token."""
+        reqs = [s.request for s in chunks]
+        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], [r.num_computed_tokens for r in reqs],
+                          [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens]
+                           for r, s in zip(reqs, chunks)], all_logits=False)
         logits = self.runner.execute(fb)  # [B, 1, V]
-        empty = DraftProposal.empty(len(reqs), logits.device)
-        out = self._verify(reqs, empty, logits)
-        for i, r in enumerate(reqs):
-            r.append_token(int(out.output_token_ids[i, 0]), self.config.max_model_len)
+        rows = [i for i, s in enumerate(chunks) if s.samples]
+        out = None
+        if rows:
+            sampling = [reqs[i] for i in rows]
+            out = self._verify(sampling, DraftProposal.empty(len(rows), logits.device), logits[rows])
+        for i, (r, s) in enumerate(zip(reqs, chunks)):
+            r.num_computed_tokens += s.num_new_tokens
+        for j, i in enumerate(rows):
+            r = reqs[i]
+            r.append_token(int(out.output_token_ids[j, 0]), self.config.max_model_len)
             r.num_computed_tokens = r.num_tokens - 1
 
-    def _decode(self, reqs: list[Request]) -> None:
+    def _decode(self, scheduled: list[ScheduledRequest]) -> None:
+        reqs = [s.request for s in scheduled]
         t0 = time.perf_counter()
-        proposal = self._propose(reqs)
+        proposal = self._propose(reqs, [s.num_draft for s in scheduled])
         t1 = time.perf_counter()
         n_draft = proposal.num_draft.tolist()
         drafts = proposal.draft_token_ids.tolist()
         fb = ForwardBatch(
-            [r.slot for r in reqs],
+            [self.scheduler.block_table(r) for r in reqs],
             [r.num_computed_tokens for r in reqs],
             [r.all_token_ids[r.num_computed_tokens:] + drafts[i][: n_draft[i]] for i, r in enumerate(reqs)],
             all_logits=True,
@@ -120,21 +160,17 @@ class LLMEngine:
         t2 = time.perf_counter()
         self._commit(reqs, n_draft, out, proposer_time=(t1 - t0) / len(reqs), target_time=(t2 - t1) / len(reqs))
 
-    def _propose(self, reqs: list[Request]) -> DraftProposal:
-        """Drafts for the running requests; proposers start tracking a request on its first
-        proposal, so they hold state only for requests that are running."""
+    def _propose(self, reqs: list[Request], max_drafts: list[int]) -> DraftProposal:
+        """Drafts for the decoding requests, at most `max_drafts[i]` each (the slots the
+        scheduler reserved: Request.max_drafts, cut to the step's token budget). Proposers
+        start tracking a request on its first proposal, so they hold state only for requests
+        that are running."""
         device = self.runner.device
         spec_rows = [i for i, r in enumerate(reqs) if r.num_speculative_tokens > 0]
         if not spec_rows:
             return DraftProposal.empty(len(reqs), device)
-        batch = []
-        for i in spec_rows:
-            r = reqs[i]
-            # Never draft past what the request may still emit or past the cache: the last
-            # emitted token needs no draft, so at most (remaining - 1) drafts can be used.
-            room = min(r.params.max_tokens - len(r.output_token_ids), self.config.max_model_len - r.num_tokens) - 1
-            batch.append(SpecRequest(r.request_id, r.all_token_ids, max(0, min(r.num_speculative_tokens, room)),
-                                     r.params, r.generator))
+        batch = [SpecRequest(reqs[i].request_id, reqs[i].all_token_ids, max_drafts[i], reqs[i].params, reqs[i].generator)
+                 for i in spec_rows]
         proposal = self.proposer.propose(batch)
         if len(spec_rows) == len(reqs):
             return proposal
@@ -156,8 +192,8 @@ class LLMEngine:
                 committed.append(tok)
                 if r.append_token(tok, self.config.max_model_len):
                     break
-            # KV entries of rejected drafts stay in the cache past this count; they are
-            # overwritten before any query can see them.
+            # KV entries of rejected drafts stay past this count until the scheduler frees
+            # their slots; they are rewritten before any query can see them.
             r.num_computed_tokens = r.num_tokens - 1
             r.spec.record(n_draft[i], accepted[i], accepted[i] + 1)
             r.spec.proposer_time_s += proposer_time

@@ -37,7 +37,6 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    slot: int | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
@@ -52,6 +51,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def max_drafts(self, max_model_len: int) -> int:
+        """Drafts worth verifying now: never past what the request may still emit or past the
+        context (the last emitted token needs no draft, so at most remaining - 1 are usable)."""
+        room = min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens) - 1
+        return max(0, min(self.num_speculative_tokens, room))
 
     @property
     def finished(self) -> bool:

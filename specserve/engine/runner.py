@@ -8,25 +8,40 @@ import torch
 
 from specserve.model.attention import DenseKVCache
 from specserve.model.llama import LlamaModel
+from specserve.model.paged_attention import PagedKVCache
 
 
 @dataclass(slots=True)
 class ForwardBatch:
     """Requests computing tokens in one forward pass (the scheduler's per-request decision)."""
 
-    slot_ids: list[int]  # cache slot of each request
+    # Where each request's KV lives: its block table (paged cache) or its slot id (dense cache).
+    locations: list[list[int]] | list[int]
     start_positions: list[int]  # each request's num_computed_tokens
     token_ids: list[list[int]]  # tokens to compute, one list per request (prompt chunk, or last token + drafts)
     all_logits: bool  # True: logits at every position [B, T, V]; False: at each request's last token [B, 1, V]
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_slots: int, max_len: int):
-        cfg = model.config
+    """Runs a model over one KV cache: the engine's paged pool, or a dense per-slot cache
+    (the draft model's, and single-request tools such as the forward benchmark)."""
+
+    def __init__(self, model: LlamaModel, cache: PagedKVCache | DenseKVCache):
         self.model = model
         self.device = model.device
-        self.cache = DenseKVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                                  model.dtype, self.device)
+        self.cache = cache
+
+    @classmethod
+    def dense(cls, model: LlamaModel, num_slots: int, max_len: int) -> "ModelRunner":
+        cfg = model.config
+        return cls(model, DenseKVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
+                                       model.dtype, model.device))
+
+    @classmethod
+    def paged(cls, model: LlamaModel, num_blocks: int, block_size: int) -> "ModelRunner":
+        cfg = model.config
+        return cls(model, PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                       model.dtype, model.device))
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -35,7 +50,7 @@ class ModelRunner:
         t = max(lens)
         # Padded in Python, so that the step's ids cost one tensor, not one per request.
         ids = torch.tensor([list(toks) + [0] * (t - len(toks)) for toks in batch.token_ids], dtype=torch.long)  # [B, T]
-        meta = self.cache.metadata(batch.slot_ids, batch.start_positions, lens)
+        meta = self.cache.metadata(batch.locations, batch.start_positions, lens)
         hidden = self.model(ids.to(self.device), meta, self.cache)  # [B, T, hidden]
         if not batch.all_logits:
             last = torch.tensor([n - 1 for n in lens], device=self.device)

@@ -1,8 +1,20 @@
-"""Which requests run in the next step. Pure Python: the scheduler never touches tensors.
+"""Which requests compute which tokens in the next step. Pure Python: the scheduler never
+touches tensors; it decides, and the KV cache manager hands out the blocks for its decisions.
 
-Requests are admitted first-come-first-served while cache slots are free. A step is either a
-prefill of newly admitted requests or one decode (or verify) pass over every running request;
-keeping the two apart means a decode batch is never padded to a prompt's length.
+Every request moves forward the same way: a step computes tokens
+`[num_computed_tokens, num_computed_tokens + n)` of it; when that reaches its last token, the step
+also samples (and, in a decode step, verifies drafts). So a prompt is one or several chunks,
+a decode is one token plus drafts, and a request preempted by recompute simply starts again at
+0 with its generated tokens counted as prompt.
+
+Policy, per step, under `max_num_batched_tokens` and `max_num_seqs`:
+  1. running requests first, in arrival order: a decode takes 1 + its drafts, a prompt the next
+     chunk that fits the budget. When the pool is out of blocks, the most recently admitted
+     running request is preempted (its blocks freed, its computed length reset) until the
+     request fits; no request is admitted in a step that preempted.
+  2. then waiting requests, first come first served, each taking its cached prefix (prefix
+     caching) and a first chunk; admission stops at the first request that does not fit, so a
+     large request at the head is never overtaken forever (no starvation).
 """
 
 from __future__ import annotations
@@ -10,24 +22,46 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from specserve.config import EngineConfig
+from specserve.engine.block_manager import BlockPool, KVCacheManager
 from specserve.engine.request import Request, Status
 
 
 @dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    num_draft: int = 0  # drafts it may propose and verify this step (decode only), slots reserved
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last token, so that it samples a new one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
-    prefill: list[Request] = field(default_factory=list)  # compute their whole prompt, sample the first token
-    decode: list[Request] = field(default_factory=list)  # compute the last token (+ drafts), sample the next
+    prefill: list[ScheduledRequest] = field(default_factory=list)  # prompt chunks (several tokens to compute)
+    decode: list[ScheduledRequest] = field(default_factory=list)  # the last token (+ drafts), then sample
+    preempted: list[Request] = field(default_factory=list)  # sent back to waiting this step
 
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens + s.num_draft for s in self.prefill + self.decode)
+
 
 class Scheduler:
-    def __init__(self, num_slots: int):
-        self.free_slots = list(range(num_slots - 1, -1, -1))
+    def __init__(self, config: EngineConfig, num_blocks: int):
+        self.config = config
+        self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -35,23 +69,71 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def block_table(self, request: Request) -> list[int]:
+        return self.kv.block_table(request.request_id)
+
     def schedule(self) -> SchedulerOutput:
-        admitted = []
-        while self.waiting and self.free_slots:
-            req = self.waiting.popleft()
-            req.slot = self.free_slots.pop()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            to_compute = req.num_tokens - req.num_computed_tokens
+            if to_compute == 1:
+                n, drafts = 1, min(req.max_drafts(self.config.max_model_len), budget - 1)
+            else:
+                n, drafts = min(to_compute, budget), 0
+            while not self.kv.can_allocate(req.request_id, n + drafts):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:  # preempted itself: nothing left to give it room
+                break
+            self.kv.allocate_slots(req.request_id, n + drafts)
+            (out.decode if to_compute == 1 else out.prefill).append(ScheduledRequest(req, n, drafts))
+            budget -= n + drafts
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            _, cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.can_allocate(req.request_id, n):
+                self.kv.free(req.request_id)  # its prefix hits stay cached, evictable
+                break
+            self.kv.allocate_slots(req.request_id, n)
+            self.waiting.popleft()
+            req.num_computed_tokens = cached
             req.status = Status.RUNNING
             self.running.append(req)
-            admitted.append(req)
-        if admitted:
-            return SchedulerOutput(prefill=admitted)
-        return SchedulerOutput(decode=list(self.running))
+            sr = ScheduledRequest(req, n)
+            (out.decode if n == 1 and req.num_tokens - cached == 1 else out.prefill).append(sr)
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        """Preemption by recompute: the request's blocks go back to the pool (cached ones stay
+        reusable) and it waits at the head of the queue to compute its tokens again."""
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update(self, request: Request) -> None:
+        """After a step: the request's tokens below its computed length are committed (their
+        full blocks enter the prefix cache) and slots past it (rejected drafts) are freed."""
+        self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
+        self.kv.rollback(request.request_id, request.num_computed_tokens)
 
     def finish(self, request: Request) -> None:
-        """Release a finished or aborted request's slot (a waiting one just leaves the queue)."""
+        """Release a finished or aborted request: its blocks return to the pool at once."""
         if request in self.running:
             self.running.remove(request)
-            self.free_slots.append(request.slot)
-            request.slot = None
+            self.kv.free(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)

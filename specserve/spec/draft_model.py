@@ -47,7 +47,7 @@ class DraftModelProposer(Proposer):
                 f"must be <= the draft model's context ({draft.config.max_position_embeddings})",
             )
         self.draft = draft
-        self.runner = ModelRunner(draft.model, engine.max_num_seqs, engine.max_model_len)
+        self.runner = ModelRunner.dense(draft.model, engine.max_num_seqs, engine.max_model_len)
         self.free_slots = list(range(engine.max_num_seqs - 1, -1, -1))
         self.slot: dict[str, int] = {}
         # Tokens whose KV the draft cache holds for each request, in order. Comparing them with
