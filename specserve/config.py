@@ -54,10 +54,11 @@ class EngineConfig:
     max_num_seqs: int  # requests running together
     seed: int = 0
     block_size: int = 16  # tokens per KV cache block
-    # KV pool size: `num_kv_blocks` blocks, or as many as `kv_cache_memory` bytes hold; neither
+    # KV pool size: `num_kv_blocks` blocks, or as many as `kv_cache_memory` holds (bytes when
+    # > 1, else a fraction of the device's free memory, e.g. 0.5); neither
     # given: enough for max_num_seqs requests at full context (what a dense cache would take).
     num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | float | None = None
     # Tokens computed per step across requests (prompt chunks + decode tokens + drafts): the
     # bound on a step's latency that chunked prefill keeps while long prompts come in.
     max_num_batched_tokens: int = 2048
@@ -72,7 +73,9 @@ class EngineConfig:
             raise InvalidParameterError("block_size", self.block_size, "must be in [1, 1024]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidParameterError("num_kv_blocks", self.num_kv_blocks, "must be >= 1")
-        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
-            raise InvalidParameterError("kv_cache_memory", self.kv_cache_memory, "must be a positive number of bytes")
+        if self.kv_cache_memory is not None and not (
+                0 < self.kv_cache_memory <= 1 or (self.kv_cache_memory > 1 and float(self.kv_cache_memory).is_integer())):
+            raise InvalidParameterError("kv_cache_memory", self.kv_cache_memory,
+                                        "must be a number of bytes (an integer > 1) or a fraction of free memory in (0, 1]")
         if self.max_num_batched_tokens < 2:
             raise InvalidParameterError("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 2")

@@ -30,7 +30,7 @@ class LLM:
     def __init__(self, model: str | None = "default", *, dtype: str = "float32", device: str | None = "cpu",
                  speculative_config: dict | SpeculativeConfig | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 4, seed: int = 0, loaded: LoadedModel | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | float | None = None,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True):
         self.spec_config = SpeculativeConfig.from_dict(speculative_config)
         self.target = loaded or load_model(model, dtype=dtype, device=device)

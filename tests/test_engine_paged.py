@@ -179,3 +179,31 @@ def test_sampled_batch_is_reproducible_per_seed(tiny, prompts32):
     b = run(LLM(loaded=tiny["loaded"], max_num_seqs=5, max_model_len=128), prompts32, params)
     assert a == b  # per-request generators: the batch around a request does not change its sample
     assert torch.tensor([len(x) for x in a]).eq(12).all()
+
+
+def test_requests_with_different_k_share_steps(tiny, prompts32, expected32):
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+              max_num_seqs=32, max_model_len=128)
+    engine = llm.engine
+    reqs = [engine.add_request(str(i), p, GREEDY, num_speculative_tokens=[0, 1, 2, 4, 7][i % 5])
+            for i, p in enumerate(prompts32)]
+    mixed = False
+    while engine.has_unfinished_requests():
+        decoding = [r for r in engine.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        mixed |= len({r.num_speculative_tokens for r in decoding}) >= 3
+        engine.step()
+    assert mixed
+    assert [r.output_token_ids for r in reqs] == expected32
+    assert reqs[0].spec.num_drafted == 0 and reqs[4].spec.num_drafted > 0
+    with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
+        engine.add_request("bad", [3, 4], GREEDY, num_speculative_tokens=-1)
+    plain = LLM(loaded=tiny["loaded"], max_model_len=128)
+    with pytest.raises(InvalidParameterError, match="speculative_config"):
+        plain.engine.add_request("bad", [3, 4], GREEDY, num_speculative_tokens=2)
+
+
+def test_pool_sized_from_a_fraction_of_free_memory(tiny):
+    llm = LLM(loaded=tiny["loaded"], max_model_len=128, kv_cache_memory=0.001)
+    assert llm.engine.scheduler.pool.num_blocks >= 8
+    with pytest.raises(InvalidParameterError, match="fraction of free memory"):
+        LLM(loaded=tiny["loaded"], max_model_len=128, kv_cache_memory=1.5)

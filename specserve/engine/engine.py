@@ -3,12 +3,13 @@ accept -> commit inside the execute/update of a decode step."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
 import torch
 
-from specserve.config import EngineConfig
+from specserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import ForwardBatch, ModelRunner
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
@@ -20,6 +21,37 @@ from specserve.sample import SamplingTensors, VerifyOutput, make_generator, veri
 from specserve.sampling_params import SamplingParams
 from specserve.spec import DraftProposal, Proposer, SpecRequest, VerifyFeedback
 from specserve.tokenizer import IncrementalDetokenizer
+
+
+def _memory_budget(kv_cache_memory: int | float, device: torch.device) -> int:
+    """Bytes for the KV pool: kv_cache_memory itself, or that fraction of the device's free
+    memory (CUDA: what the driver reports free; CPU: the OS's available physical memory)."""
+    if kv_cache_memory > 1:
+        return int(kv_cache_memory)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free * kv_cache_memory)
+
+
+def _padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Split prompt chunks into forward passes whose padding (every row padded to the longest)
+    stays under `max_waste` of the computed tokens: chunks of similar length share a pass, a
+    long one runs alone. One padded [10, 800] pass for ten prompts of 50 to 800 tokens costs
+    several times the ten passes it replaces (attention and matrices over the padding)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= (1 + max_waste) * (real + n):
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
 
 
 class LLMEngine:
@@ -44,7 +76,8 @@ class LLMEngine:
             num, what = config.num_kv_blocks, ("num_kv_blocks", config.num_kv_blocks)
         elif config.kv_cache_memory is not None:
             cfg = target.config
-            num = PagedKVCache.num_blocks_for_budget(config.kv_cache_memory, cfg.num_layers, config.block_size,
+            num = PagedKVCache.num_blocks_for_budget(_memory_budget(config.kv_cache_memory, target.model.device),
+                                                     cfg.num_layers, config.block_size,
                                                      cfg.num_kv_heads, cfg.head_dim, target.model.dtype)
             what = ("kv_cache_memory", config.kv_cache_memory)
         else:
@@ -58,7 +91,10 @@ class LLMEngine:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    prompt: str | None = None, use_speculation: bool = True) -> Request:
+                    prompt: str | None = None, use_speculation: bool = True,
+                    num_speculative_tokens: int | None = None) -> Request:
+        """Queue a request. `num_speculative_tokens` overrides the engine's k for this request
+        (0: plain decoding); requests with different k, or none, share the same steps."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = list(prompt_token_ids)
@@ -82,12 +118,23 @@ class LLMEngine:
             generator=make_generator(params.seed, self.runner.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             eos_token_ids=self.tokenizer.eos_token_ids,
-            num_speculative_tokens=self.num_speculative_tokens if use_speculation else 0,
+            num_speculative_tokens=self._request_k(use_speculation, num_speculative_tokens),
         )
         req.metrics.num_prompt_tokens = len(ids)
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _request_k(self, use_speculation: bool, k: int | None) -> int:
+        if not use_speculation:
+            return 0
+        if k is None:
+            return self.num_speculative_tokens
+        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidParameterError("num_speculative_tokens", k, f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
+        if k and self.proposer is None:
+            raise InvalidParameterError("num_speculative_tokens", k, "needs an engine with a speculative_config (0 here)")
+        return k
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -125,10 +172,15 @@ class LLMEngine:
         """Prompt chunks (of new, resumed or preempted requests); a chunk that reaches the
         request's last token also samples its next token."""
         reqs = [s.request for s in chunks]
-        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], [r.num_computed_tokens for r in reqs],
-                          [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens]
-                           for r, s in zip(reqs, chunks)], all_logits=False)
-        logits = self.runner.execute(fb)  # [B, 1, V]
+        logits = [None] * len(chunks)
+        for group in _padding_groups([s.num_new_tokens for s in chunks]):
+            fb = ForwardBatch([self.scheduler.block_table(reqs[i]) for i in group],
+                              [reqs[i].num_computed_tokens for i in group],
+                              [reqs[i].all_token_ids[reqs[i].num_computed_tokens:reqs[i].num_computed_tokens
+                                                     + chunks[i].num_new_tokens] for i in group], all_logits=False)
+            for i, row in zip(group, self.runner.execute(fb)):  # [G, 1, V]
+                logits[i] = row
+        logits = torch.stack(logits)  # [B, 1, V]
         rows = [i for i, s in enumerate(chunks) if s.samples]
         out = None
         if rows:

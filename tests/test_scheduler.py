@@ -1,0 +1,198 @@
+"""The scheduler in pure Python: token budget, chunked prefill, preemption and resumption,
+fairness. Requests are stand-ins with only what the scheduler reads; a fake step moves them
+forward the way the engine does (compute the scheduled tokens, sample when the last one is
+reached, commit)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specserve.config import EngineConfig
+from specserve.engine.request import Status
+from specserve.engine.scheduler import Scheduler
+
+
+@dataclass(eq=False)
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new: int
+    num_speculative_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+
+    @property
+    def all_token_ids(self):
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self):
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def max_drafts(self, max_model_len):
+        room = min(self.max_new - len(self.output_token_ids), max_model_len - self.num_tokens) - 1
+        return max(0, min(self.num_speculative_tokens, room))
+
+
+def make(config: EngineConfig, num_blocks: int) -> Scheduler:
+    return Scheduler(config, num_blocks)
+
+
+def fake_step(s: Scheduler, accept_drafts: int = 0, check=None):
+    """One schedule -> execute -> update round; `check` sees the scheduler output before the
+    step runs. Returns the output and the requests that finished."""
+    out = s.schedule()
+    if check:
+        check(out)
+    done = []
+    for sr in out.prefill + out.decode:
+        r = sr.request
+        samples = sr.samples
+        r.num_computed_tokens += sr.num_new_tokens
+        if samples:
+            accepted = min(accept_drafts, sr.num_draft)
+            for _ in range(accepted + 1):
+                r.output_token_ids.append(7 + len(r.output_token_ids) % 5)
+                if len(r.output_token_ids) >= r.max_new:
+                    break
+            r.num_computed_tokens = r.num_tokens - 1
+        s.update(r)
+        if len(r.output_token_ids) >= r.max_new:
+            r.status = Status.FINISHED
+            s.finish(r)
+            done.append(r)
+    return out, done
+
+
+def run_all(s: Scheduler, reqs, max_steps=10_000, accept_drafts=0, check=None):
+    for r in reqs:
+        s.add(r)
+    finished, steps = [], 0
+    while s.has_unfinished():
+        out, done = fake_step(s, accept_drafts, check)
+        finished += done
+        steps += 1
+        assert steps < max_steps, "a request starved"
+        s.kv.check_invariants()
+    return finished, steps
+
+
+def prompt(n, seed=0):
+    return [(seed * 31 + i * 7) % 50 + 2 for i in range(n)]
+
+
+def test_budget_is_respected_and_long_prompts_are_chunked():
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, enable_prefix_caching=False)
+    s = make(cfg, 64)
+    reqs = [FakeRequest(str(i), prompt(100 if i % 2 else 7, seed=i), max_new=10) for i in range(6)]
+    chunks = []
+
+    def check(out):
+        assert 0 < out.num_batched_tokens <= 32
+        assert len(s.running) <= 8
+        chunks.extend(sr.num_new_tokens for sr in out.prefill if sr.request.request_id == "1")
+
+    finished, _ = run_all(s, reqs, check=check)
+    assert len(finished) == 6
+    assert len(chunks) >= 4 and sum(chunks) == 100  # the 100-token prompt took several chunks
+    assert s.pool.num_available_blocks == 64
+
+
+def test_decodes_go_first_and_mix_with_a_prefill_chunk():
+    cfg = EngineConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_caching=False)
+    s = make(cfg, 64)
+    a = FakeRequest("a", prompt(5), max_new=50)
+    s.add(a)
+    fake_step(s)  # a's prompt, first token
+    s.add(FakeRequest("b", prompt(300, seed=1), max_new=5))
+    out, _ = fake_step(s)
+    assert [sr.request.request_id for sr in out.decode] == ["a"]
+    assert [(sr.request.request_id, sr.num_new_tokens) for sr in out.prefill] == [("b", 15)]
+
+
+def test_speculative_decodes_reserve_draft_slots_within_the_budget():
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    s = make(cfg, 32)
+    reqs = [FakeRequest(str(i), prompt(9, seed=i), max_new=20, num_speculative_tokens=4) for i in range(3)]
+    seen = []
+
+    def check(out):
+        assert out.num_batched_tokens <= 64
+        for sr in out.decode:
+            seen.append(sr.num_draft)
+            table = s.kv.block_table(sr.request.request_id)
+            assert len(table) * cfg.block_size >= sr.request.num_computed_tokens + 1 + sr.num_draft
+
+    finished, _ = run_all(s, reqs, accept_drafts=2, check=check)
+    assert len(finished) == 3 and max(seen) == 4 and min(seen) < 4  # drafts stop at max_tokens
+    assert s.pool.num_available_blocks == 32
+
+
+def test_preemption_by_recompute_and_resumption():
+    # 8 blocks of 16: one request at full context (128) fits; four growing ones do not.
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=256, enable_prefix_caching=False)
+    s = make(cfg, 8)
+    reqs = [FakeRequest(str(i), prompt(20, seed=i), max_new=60) for i in range(4)]
+    preempted = []
+    finished, _ = run_all(s, reqs, check=lambda out: preempted.extend(r.request_id for r in out.preempted))
+    assert preempted and s.num_preemptions == len(preempted)
+    assert sorted(r.request_id for r in finished) == ["0", "1", "2", "3"]
+    assert all(len(r.output_token_ids) == 60 for r in reqs)  # resumed requests kept their tokens
+    assert s.pool.num_available_blocks == 8
+    # The victim is always the most recently admitted running request, never the oldest.
+    assert "0" not in preempted
+
+
+def test_admission_is_first_come_first_served():
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=2, max_num_batched_tokens=512, enable_prefix_caching=False)
+    s = make(cfg, 64)
+    reqs = [FakeRequest(str(i), prompt(10, seed=i), max_new=3 + (i % 3)) for i in range(9)]
+    order = []
+
+    def check(out):
+        for sr in out.prefill:
+            if sr.request.num_computed_tokens == 0 and sr.request.request_id not in order:
+                order.append(sr.request.request_id)
+
+    finished, steps = run_all(s, reqs, check=check)
+    assert order == [str(i) for i in range(9)]
+    assert len(finished) == 9
+
+
+def test_a_large_request_at_the_head_is_not_overtaken_forever():
+    # The big prompt needs most of the pool; small ones keep arriving behind it. FCFS admission
+    # stops at the head, so the big one runs as soon as the running small ones drain.
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=512, enable_prefix_caching=False)
+    s = make(cfg, 9)
+    smalls = [FakeRequest(f"s{i}", prompt(10, seed=i), max_new=20) for i in range(3)]
+    for r in smalls:
+        s.add(r)
+    fake_step(s)
+    big = FakeRequest("big", prompt(120, seed=9), max_new=4)
+    s.add(big)
+    late = [FakeRequest(f"l{i}", prompt(5, seed=20 + i), max_new=2) for i in range(10)]
+    for r in late:
+        s.add(r)
+    admitted = []
+
+    def check(out):
+        admitted.extend(sr.request.request_id for sr in out.prefill + out.decode
+                        if sr.request.request_id not in admitted)
+
+    finished, _ = run_all(s, [], max_steps=500, check=check)
+    assert len(finished) == 14
+    assert admitted.index("big") < min(admitted.index(r.request_id) for r in late)
+
+
+def test_prefix_hits_skip_computed_blocks():
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=512)
+    s = make(cfg, 64)
+    system = prompt(48, seed=3)
+    first = FakeRequest("first", system + [5, 6], max_new=2)
+    run_all(s, [first])
+    second = FakeRequest("second", system + [9, 9, 9], max_new=2)
+    s.add(second)
+    out, _ = fake_step(s)
+    assert out.prefill[0].num_new_tokens == 3  # the 3 cached system blocks (48 tokens) were skipped
+    assert s.pool.prefix_cache_stats().hit_blocks == 3
