@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
@@ -9,6 +10,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.engine import LLMEngine
+from specserve.engine.kv_budget import memory_budget
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel, load_model
 from specserve.outputs import RequestOutput, SpecStats
@@ -43,6 +45,11 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
+        if self.engine_config.kv_cache_memory is not None and self.engine_config.kv_cache_memory <= 1:
+            # A fraction of free memory becomes bytes once, before any pool exists, so that the
+            # draft model's pool and the target's are sized from the same figure.
+            self.engine_config = dataclasses.replace(
+                self.engine_config, kv_cache_memory=memory_budget(self.engine_config.kv_cache_memory, self.target.model.device))
         proposer = build_proposer(self.spec_config, self.target, self.engine_config)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.engine = LLMEngine(self.target, self.engine_config, proposer, k)

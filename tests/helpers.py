@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -71,3 +72,19 @@ def chi_square_pvalue(outcomes: torch.Tensor, probs: torch.Tensor) -> float:
     chi2 = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
     dof = int(keep.sum()) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), chi2 / 2))
+
+
+def ragged_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 70) -> list[list[int]]:
+    """n prompts of random lengths in [lo, hi) over a 64-token vocabulary, each a short random
+    phrase repeated (so the n-gram proposer finds matches)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(2, 64) for _ in range(rng.randrange(2, 6))]
+        out.append((phrase * 40)[: rng.randrange(lo, hi)])
+    return out
+
+
+def generate_ids(llm, prompts, params) -> list[list[int]]:
+    """Output token ids of `llm.generate`, in prompt order."""
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

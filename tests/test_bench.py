@@ -3,11 +3,13 @@
 import argparse
 import importlib.util
 import json
+import time
 
 import pytest
 
-from specserve.bench.cli import add_bench_parser, parse_ks, parse_methods, parse_peers, run_bench
+from specserve.bench.cli import add_bench_parser, parse_concurrency, parse_ks, parse_methods, parse_peers, run_bench
 from specserve.bench.runner import Config, Sample, figures, measure, report
+from specserve.bench.throughput import Completion, ConcurrentRun, percentile, run_concurrent, throughput_figures
 from specserve.bench.workload import Selection, load_workload, select
 from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.outputs import SpecStats
@@ -17,6 +19,11 @@ from tests.helpers import make_tiny_checkpoint
 RESULT_KEYS = {"method", "label", "draft", "num_speculative_tokens", "temperature", "tokens_per_s", "decode_tokens_per_s",
                "speedup", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "identical_to_baseline",
                "num_prompts", "num_tokens", "per_category"}
+# Throughput mode: the same keys (figures over the whole run; no per-category split, since tokens/s
+# is over the run's wall time), plus the serving figures.
+THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category"}) | {
+    "concurrency", "wall_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+    "prefix_cache_hit_rate", "num_preemptions"}
 
 
 def bench(argv: list[str]) -> int:
@@ -127,6 +134,8 @@ def test_parse_errors():
     with pytest.raises(InvalidParameterError, match="transformers, llama.cpp"):
         parse_peers("transformers,vllm")
     assert parse_ks("2,4,6,4") == [2, 4, 6]
+    assert parse_concurrency(None) is None  # latency mode
+    assert parse_concurrency("1, 4,16,4") == [1, 4, 16] and parse_concurrency("64") == [64]
     assert parse_methods("none,ngram,draft_model:/d") == [("none", None), ("ngram", None), ("draft_model", "/d")]
 
 
@@ -138,6 +147,11 @@ def test_parse_errors():
     (["--workload", "/no/such/file.jsonl"], "neither 'spec_bench'"),
     (["--methods", "draft_model:/no/such/draft"], "does not exist"),
     (["--json", "/no/such/folder/r.json"], "its folder does not exist"),
+    (["--concurrency", "0"], "concurrency='0': must be a positive integer or a comma list"),
+    (["--concurrency", "1,four"], "concurrency='1,four'"),
+    (["--concurrency", "4,-2"], "concurrency='4,-2'"),
+    (["--concurrency", "5000"], "each at most 4096"),
+    (["--concurrency", ","], "concurrency=','"),
 ])
 def test_bad_input_is_refused_before_loading(argv, match):
     with pytest.raises(SpecserveError, match=match) as e:
@@ -200,3 +214,107 @@ def test_bench_on_the_embedded_model_through_the_chat_template(tmp_path, capsys,
     assert doc["workload"]["prompt_tokens"] == sum(map(len, chat))
     assert [r["identical_to_baseline"] for r in doc["results"]] == [1.0, 1.0]
     assert "machine: cpu" in capsys.readouterr().out
+
+
+# ---- throughput mode ----------------------------------------------------------------------------
+
+def test_percentile_interpolates_between_ranks():
+    assert percentile([], 50) is None and percentile([7.0], 99) == 7.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0], 100) == 4.0
+    assert percentile(list(map(float, range(101))), 99) == 99.0
+
+
+def test_throughput_figures():
+    base = ConcurrentRun(Config("none"), 2, [Completion([1, 2, 3], 0.1, 0.5, 1.0, None),
+                                             Completion([4], 0.3, None, 0.0, None)],
+                         wall_s=2.0, prefix_cache_hit_rate=0.5, num_preemptions=0)
+    spec = ConcurrentRun(Config("ngram", 2), 2, [Completion([1, 2, 3], 0.2, 0.25, 0.5, _spec(4, 2, 4, 2)),
+                                                 Completion([5], 0.4, None, 0.0, _spec(0, 0, 0, 0))],
+                         wall_s=1.0, prefix_cache_hit_rate=0.25, num_preemptions=1)
+    f = throughput_figures(spec, base, temperature=0.0)
+    assert f.tokens_per_s == 4.0 and f.requests_per_s == 2.0 and f.speedup == 2.0 and f.decode_tokens_per_s == 4.0
+    assert f.ttft_ms_p50 == pytest.approx(300.0) and f.ttft_ms_p99 == pytest.approx(398.0)
+    assert f.tpot_ms_p50 == f.tpot_ms_p99 == 250.0  # the one-token request has no time per output token
+    assert f.acceptance_rate == 0.5 and f.mean_accepted_length == 2.0 and f.identical_to_baseline == 0.5
+    assert throughput_figures(spec, base, temperature=0.7).identical_to_baseline is None
+    assert throughput_figures(base, base, temperature=0.0).acceptance_rate is None
+    d = f.as_dict()
+    assert set(d) == THROUGHPUT_KEYS and d["concurrency"] == 2 and d["label"] == "ngram k=2"
+    assert d["prefix_cache_hit_rate"] == 0.25 and d["num_preemptions"] == 1
+
+
+class _FakeEngine:
+    """Finishes the oldest running request every step; notes how many ran together."""
+
+    def __init__(self):
+        from specserve.engine.block_manager import PrefixCacheStats
+
+        self.stats = PrefixCacheStats()
+        self.scheduler = type("S", (), {"pool": self, "num_preemptions": 0})()
+        self.running, self.log, self.popped = [], [], []
+
+    def prefix_cache_stats(self):
+        return self.stats
+
+    def add_request(self, rid, ids, params):
+        self.running.append((rid, ids, time.perf_counter()))
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        from specserve.outputs import CompletionOutput, RequestMetrics, RequestOutput, SpecStats
+
+        self.log.append([rid for rid, _, _ in self.running])
+        rid, ids, t = self.running.pop(0)
+        metrics = RequestMetrics(t, t + 0.01, t + 0.03, len(ids), 3)
+        return [RequestOutput(rid, None, ids, [CompletionOutput(0, "", ids[:3], "length")], True, metrics, SpecStats())]
+
+    def pop_finished(self, rid):
+        self.popped.append(rid)
+
+    def abort_request(self, rid):
+        raise AssertionError("nothing is left to abort")
+
+
+def test_run_concurrent_keeps_c_requests_in_flight():
+    engine, ticks = _FakeEngine(), []
+    prompts = [[10 + i, 1, 2] for i in range(5)]
+    run = run_concurrent(engine, Config("none"), prompts, lambda i: SamplingParams(), 2, lambda: ticks.append(1), tag="x")
+    # A new request goes in as soon as one finishes, so two are always in flight until the tail.
+    assert engine.log == [["x0", "x1"], ["x1", "x2"], ["x2", "x3"], ["x3", "x4"], ["x4"]]
+    assert engine.popped == [f"x{i}" for i in range(5)] and len(ticks) == 5
+    assert [c.token_ids[0] for c in run.completions] == [10, 11, 12, 13, 14]
+    assert all(c.tpot_s == pytest.approx(0.01) and c.spec is None for c in run.completions)
+    assert run.concurrency == 2 and run.wall_s > 0 and run.num_preemptions == 0
+
+
+def test_throughput_sweep_writes_one_entry_per_configuration_and_concurrency(tmp_path, capsys):
+    model = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
+    work = tmp_path / "w.jsonl"
+    # 16 shared tokens (one full KV block) then a distinct tail: later prompts can hit the cache.
+    common = " ".join(f"t{2 + i}" for i in range(16))
+    work.write_text("".join(json.dumps({"turns": [f"{common} t{30 + i} t{40 + i} t{50 + i} t{33 + i}"]}) + "\n"
+                            for i in range(3)))
+    out = tmp_path / "r.json"
+    assert bench(["--model", str(model), "--workload", str(work), "--methods", f"none,ngram,draft_model:{model}",
+                  "--num-speculative-tokens", "2", "--max-tokens", "10", "--concurrency", "1,4", "--json", str(out),
+                  "--peers", "transformers"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["concurrency"] == [1, 4]
+    results = doc["results"]
+    assert [(r["label"], r["concurrency"]) for r in results] == [
+        (label, c) for c in (1, 4) for label in ("none", "ngram k=2", "draft_model(m) k=2")]
+    for r in results:
+        assert set(r) == THROUGHPUT_KEYS and r["num_prompts"] == 3 and r["num_tokens"] == results[0]["num_tokens"]
+        assert r["tokens_per_s"] > 0 and r["requests_per_s"] > 0 and r["wall_s"] > 0
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["tpot_ms_p50"] <= r["tpot_ms_p99"]
+        assert r["identical_to_baseline"] == 1.0  # lossless speculation, batched or not
+        assert (r["acceptance_rate"] is None) == (r["method"] == "none")
+        assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0 and r["num_preemptions"] == 0
+    assert results[2]["acceptance_rate"] == 1.0  # the draft is the target itself
+    # One request at a time, prompts 2 and 3 find prompt 1's first block; the warm-up left nothing behind.
+    assert [r["prefix_cache_hit_rate"] for r in results[:3]] == [pytest.approx(2 / 3, abs=1e-4)] * 3
+    captured = capsys.readouterr()
+    assert "ttft p50" in captured.out and "concurrency 1,4" in captured.out
+    assert "peers (transformers) run in latency mode only; skipped with --concurrency" in captured.err

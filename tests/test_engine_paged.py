@@ -11,7 +11,7 @@ from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
-from tests.helpers import make_tiny_checkpoint
+from tests.helpers import generate_ids, make_tiny_checkpoint, ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -24,17 +24,8 @@ def tiny(tmp_path_factory):
     return {"loaded": load_model(target), "draft": str(draft)}
 
 
-def ragged_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 70) -> list[list[int]]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        phrase = [rng.randrange(2, 64) for _ in range(rng.randrange(2, 6))]
-        out.append((phrase * 40)[: rng.randrange(lo, hi)])
-    return out
-
-
 def run(llm, prompts, params=GREEDY):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    return generate_ids(llm, prompts, params)
 
 
 def alone(tiny, prompts, params=GREEDY):

@@ -18,6 +18,7 @@ from specserve.errors import InvalidParameterError
 
 METHODS = ("none", "ngram", "draft_model")
 PEERS = ("transformers", "llama.cpp")
+MAX_CONCURRENCY = 4096  # the engine's limit on max_num_seqs
 
 
 def add_bench_parser(sub) -> None:
@@ -39,7 +40,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--seed", type=int, default=0, help="base seed; prompt i samples with seed + i in every configuration")
     b.add_argument("--threads", type=int, default=None, help="torch (and llama.cpp) threads; default: torch's own")
-    b.add_argument("--peers", default="", help=f"comma list of {', '.join(PEERS)}")
+    b.add_argument("--peers", default="", help=f"comma list of {', '.join(PEERS)} (latency mode only)")
+    b.add_argument("--concurrency", default=None,
+                   help="throughput mode: keep N requests in flight in one engine, or a comma list to sweep "
+                        "(e.g. 1,4,16,64); without it, one request at a time (latency mode)")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     _add_model_args(b)
 
@@ -76,6 +80,20 @@ def parse_peers(text: str) -> list[str]:
     if bad:
         raise InvalidParameterError("peers", ",".join(bad), f"each must be one of {', '.join(PEERS)}")
     return peers
+
+
+def parse_concurrency(text: str | None) -> list[int] | None:
+    """'1,4,16' -> [1, 4, 16]; None (no --concurrency) -> None, the latency mode."""
+    if text is None:
+        return None
+    allowed = f"must be a positive integer or a comma list of them, each at most {MAX_CONCURRENCY} (e.g. 1,4,16,64)"
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError("concurrency", text, allowed) from None
+    if not values or not all(1 <= v <= MAX_CONCURRENCY for v in values):
+        raise InvalidParameterError("concurrency", text, allowed)
+    return list(dict.fromkeys(values))
 
 
 def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lookup_min: int,
@@ -128,6 +146,7 @@ def run_bench(args) -> int:
 
     # Everything the user typed is checked before seconds go into loading models.
     methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
+    concurrency = parse_concurrency(args.concurrency)
     spec_configs = speculative_configs(methods, ks, args.prompt_lookup_min, args.prompt_lookup_max)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     selection = Selection.from_text(args.categories, args.per_category, args.limit)
@@ -138,6 +157,8 @@ def run_bench(args) -> int:
         if args.threads < 1:
             raise InvalidParameterError("threads", args.threads, "must be >= 1")
         torch.set_num_threads(args.threads)
+    if concurrency is not None and peers:
+        print(f"note: peers ({', '.join(peers)}) run in latency mode only; skipped with --concurrency", file=sys.stderr)
 
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     baseline = SpecserveRunner(Config("none"), LLM(loaded=loaded, max_model_len=args.max_model_len, max_num_seqs=1))
@@ -149,11 +170,6 @@ def run_bench(args) -> int:
     if not fitting:
         raise InvalidParameterError("max_model_len", max_len, f"no selected prompt leaves room for {args.max_tokens} "
                                     "new tokens; raise --max-model-len or lower --max-tokens")
-    runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, max_model_len=max_len, max_num_seqs=1))
-                            for c, s in spec_configs]
-    runners += build_peers(peers, loaded, PeerPlan(ks, args.prompt_lookup_max, [p for n, p in methods if p], max_len),
-                           log=lambda msg: print(msg, file=sys.stderr))
-
     machine = machine_info(loaded.model.device)
     categories = [c for c, _ in fitting]
     workload = {"name": args.workload, "num_prompts": len(fitting), "skipped_too_long": len(encoded) - len(fitting),
@@ -162,22 +178,68 @@ def run_bench(args) -> int:
     settings = {"dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "seed": args.seed, "max_model_len": max_len, "prompt_lookup_max": args.prompt_lookup_max,
                 "prompt_lookup_min": args.prompt_lookup_min}
-    _print_header(loaded.name, machine, workload, settings)
+    if concurrency is not None:
+        settings["concurrency"] = concurrency
 
-    t0 = time.perf_counter()
+    prompt_ids = [ids for _, ids in fitting]
+    params_for = lambda i: replace(params, seed=args.seed + i)  # noqa: E731
     warmup = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, seed=args.seed)
-    with tqdm(total=len(fitting) * len(runners), desc="bench", unit="run", file=sys.stderr) as bar:
-        samples = measure(runners, [ids for _, ids in fitting], lambda i: replace(params, seed=args.seed + i), warmup,
-                          lambda: bar.update(1))
-    reports = [report(r.config, s, samples[0], categories, args.temperature) for r, s in zip(runners, samples)]
-    _print_table(reports, time.perf_counter() - t0)
+    if concurrency is not None:
+        del baseline  # only its max_model_len was needed: throughput mode builds an engine per run
+        _print_header(loaded.name, machine, workload, settings)
+        t0 = time.perf_counter()
+        results = _run_throughput(loaded, [Config("none")] + [c for c, _ in spec_configs], dict(spec_configs),
+                                  prompt_ids, concurrency, params_for, warmup, args.temperature,
+                                  min(max_len, max(map(len, prompt_ids)) + args.max_tokens))
+        _print_throughput_table(results, time.perf_counter() - t0)
+    else:
+        runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, max_model_len=max_len,
+                                                       max_num_seqs=1)) for c, s in spec_configs]
+        runners += build_peers(peers, loaded, PeerPlan(ks, args.prompt_lookup_max, [p for n, p in methods if p], max_len),
+                               log=lambda msg: print(msg, file=sys.stderr))
+        _print_header(loaded.name, machine, workload, settings)
+        t0 = time.perf_counter()
+        with tqdm(total=len(fitting) * len(runners), desc="bench", unit="run", file=sys.stderr) as bar:
+            samples = measure(runners, prompt_ids, params_for, warmup, lambda: bar.update(1))
+        results = [report(r.config, s, samples[0], categories, args.temperature) for r, s in zip(runners, samples)]
+        _print_table(results, time.perf_counter() - t0)
     if args.json:
         doc = {"machine": machine, "model": loaded.name, "model_path": str(loaded.path), "settings": settings,
-               "workload": workload, "results": [r.as_dict() for r in reports]}
+               "workload": workload, "results": [r.as_dict() for r in results]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"wrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[list[int]], concurrency: list[int],
+                    params_for, warmup, temperature: float, model_len: int) -> list:
+    """Every configuration at every concurrency, each on its own engine with room for c requests.
+
+    `model_len` is the longest request's context, not the model's: the KV pool (and a draft
+    model's dense cache, max_num_seqs x max_model_len) then holds c requests at once without
+    preemption even at high concurrency. Requests still stop at max_tokens, as in latency mode,
+    so outputs are the same."""
+    from tqdm import tqdm
+
+    from specserve.bench.throughput import measure_throughput, throughput_figures
+    from specserve.llm import LLM
+
+    block_size = 16
+    per_request = -(-model_len // block_size)
+
+    def build_engine(config: Config, c: int):
+        llm = LLM(loaded=loaded, speculative_config=specs.get(config), max_model_len=model_len, max_num_seqs=c,
+                  block_size=block_size, num_kv_blocks=per_request * min(c, len(prompts)))
+        return llm.engine
+
+    with tqdm(total=len(prompts) * len(configs) * len(concurrency), desc="bench", unit="req", file=sys.stderr) as bar:
+        def progress(label: str) -> None:
+            bar.set_postfix_str(label, refresh=False)
+            bar.update(1)
+        runs = measure_throughput(configs, build_engine, prompts, concurrency, params_for, warmup, progress)
+    plain = {r.concurrency: r for r in runs if r.config.method == "none"}
+    return [throughput_figures(r, plain[r.concurrency], temperature) for r in runs]
 
 
 def _print_header(model: str, machine: dict, workload: dict, settings: dict) -> None:
@@ -186,7 +248,8 @@ def _print_header(model: str, machine: dict, workload: dict, settings: dict) -> 
     skipped = f" ({workload['skipped_too_long']} too long for the context skipped)" if workload["skipped_too_long"] else ""
     print(f"workload: {workload['name']}, {workload['num_prompts']} prompts{skipped}: {cats}")
     print(f"model: {model} ({settings['dtype']}) | max_tokens {settings['max_tokens']} | "
-          f"temperature {settings['temperature']} | top_p {settings['top_p']} | seed {settings['seed']}")
+          f"temperature {settings['temperature']} | top_p {settings['top_p']} | seed {settings['seed']}"
+          + (f" | concurrency {','.join(map(str, settings['concurrency']))}" if "concurrency" in settings else ""))
 
 
 def _fmt(x, spec: str = "{:.2f}", suffix: str = "") -> str:
@@ -209,3 +272,19 @@ def _print_table(reports, seconds: float) -> None:
             print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(r.per_category[c].speedup, suffix='x'):>11}" for c in cats))
     print(f"\n(tok/s: generated tokens over request time, prefill included; decode: after the first token; "
           f"tau: tokens per target pass; measured in {seconds:.0f}s)")
+
+
+def _print_throughput_table(results, seconds: float) -> None:
+    width = max(24, *(len(r.config.label) for r in results)) + 1
+    print(f"\n{'configuration':<{width}} {'conc':>5} {'tok/s':>8} {'req/s':>7} {'speedup':>8} {'ttft p50':>9} "
+          f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'accept':>7} {'tau':>6} {'prefix':>7} {'identical':>9}")
+    for r in results:
+        print(f"{r.config.label:<{width}} {r.concurrency:>5} {r.tokens_per_s:>8.1f} {r.requests_per_s:>7.2f} "
+              f"{_fmt(r.speedup, suffix='x'):>8} {_fmt(r.ttft_ms_p50, '{:.1f}'):>9} {_fmt(r.ttft_ms_p99, '{:.1f}'):>9} "
+              f"{_fmt(r.tpot_ms_p50, '{:.1f}'):>9} {_fmt(r.tpot_ms_p99, '{:.1f}'):>9} {_fmt(r.acceptance_rate):>7} "
+              f"{_fmt(r.mean_accepted_length):>6} {r.prefix_cache_hit_rate:>7.2f} {_fmt(r.identical_to_baseline):>9}")
+    preempted = sum(r.num_preemptions for r in results)
+    print(f"\n(conc: requests in flight; tok/s, req/s: all generated tokens and requests over wall time; speedup "
+          f"and identical: against plain at the same concurrency; ttft, tpot: ms per request, time to first token "
+          f"and per output token after it; tau: tokens per target pass; prefix: prefix-cache hit rate; "
+          f"{preempted} preemptions; measured in {seconds:.0f}s)")

@@ -3,7 +3,6 @@ accept -> commit inside the execute/update of a decode step."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 
@@ -12,27 +11,15 @@ import torch
 from specserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from specserve.engine.request import Request, Status
 from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.engine.kv_budget import num_kv_blocks
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.errors import InvalidParameterError, PromptError
-from specserve.model.paged_attention import PagedKVCache
 from specserve.model.loader import LoadedModel
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sample import SamplingTensors, VerifyOutput, make_generator, verify
 from specserve.sampling_params import SamplingParams
 from specserve.spec import DraftProposal, Proposer, SpecRequest, VerifyFeedback
 from specserve.tokenizer import IncrementalDetokenizer
-
-
-def _memory_budget(kv_cache_memory: int | float, device: torch.device) -> int:
-    """Bytes for the KV pool: kv_cache_memory itself, or that fraction of the device's free
-    memory (CUDA: what the driver reports free; CPU: the OS's available physical memory)."""
-    if kv_cache_memory > 1:
-        return int(kv_cache_memory)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(free * kv_cache_memory)
 
 
 def _padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
@@ -62,31 +49,10 @@ class LLMEngine:
         self.config = config
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
-        num_blocks = self._num_kv_blocks(target, config)
+        num_blocks = num_kv_blocks(target, config)
         self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, num_blocks)
         self.requests: dict[str, Request] = {}
-
-    @staticmethod
-    def _num_kv_blocks(target: LoadedModel, config: EngineConfig) -> int:
-        """The pool's size in blocks; it must hold at least one request at full context, so
-        that any admitted request can always run (alone, after preempting the others)."""
-        per_request = -(-config.max_model_len // config.block_size)
-        if config.num_kv_blocks is not None:
-            num, what = config.num_kv_blocks, ("num_kv_blocks", config.num_kv_blocks)
-        elif config.kv_cache_memory is not None:
-            cfg = target.config
-            num = PagedKVCache.num_blocks_for_budget(_memory_budget(config.kv_cache_memory, target.model.device),
-                                                     cfg.num_layers, config.block_size,
-                                                     cfg.num_kv_heads, cfg.head_dim, target.model.dtype)
-            what = ("kv_cache_memory", config.kv_cache_memory)
-        else:
-            return per_request * config.max_num_seqs
-        if num < per_request:
-            raise InvalidParameterError(
-                what[0], what[1], f"gives {num} KV blocks of {config.block_size} tokens, but one request at "
-                f"max_model_len={config.max_model_len} needs {per_request}; raise it or lower max_model_len")
-        return num
 
     # ---- requests in and out -------------------------------------------------------------
 

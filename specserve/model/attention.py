@@ -30,6 +30,18 @@ class AttentionMetadata:
     single_slot: int | None  # the slot when B == 1, so that reads are views, not gathers
 
 
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The attention both caches end in. q: [B, T, H, D]; keys, values: [B, Hkv, S, D] (views
+    are fine); mask: additive [B, 1, T, S] or None -> [B, T, H * D]."""
+    bsz, t, h, d = q.shape
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != h,
+    )  # [B, H, T, D]
+    if t == 1:  # [B, H, 1, D] is already laid out as [B, 1, H * D]
+        return out.reshape(bsz, 1, h * d)
+    return out.transpose(1, 2).reshape(bsz, t, h * d)
+
+
 class DenseKVCache:
     """One contiguous [max_len] K/V strip per slot, for every layer.
 
@@ -84,7 +96,7 @@ class DenseKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [B, T, H, D]; k, v: [B, T, Hkv, D] -> attention output [B, T, H * D]."""
-        bsz, t, h, d = q.shape
+        bsz, t = q.shape[:2]
         self.k[layer].index_copy_(0, meta.write_index, k.reshape(bsz * t, *k.shape[2:]))
         self.v[layer].index_copy_(0, meta.write_index, v.reshape(bsz * t, *v.shape[2:]))
         s = meta.context_len
@@ -95,9 +107,4 @@ class DenseKVCache:
         else:
             rows = meta.slot_ids[:, None] * self.stride + torch.arange(s, device=q.device)[None, :]
             keys, values = self.k[layer][rows].transpose(1, 2), self.v[layer][rows].transpose(1, 2)  # [B, Hkv, S, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=meta.mask, enable_gqa=keys.shape[1] != h,
-        )  # [B, H, T, D]
-        if t == 1:  # [B, H, 1, D] is already laid out as [B, 1, H * D]
-            return out.reshape(bsz, 1, h * d)
-        return out.transpose(1, 2).reshape(bsz, t, h * d)
+        return attention(q, keys, values, meta.mask)

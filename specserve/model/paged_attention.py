@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from specserve.model.attention import attention
 
 
 @dataclass(slots=True)
@@ -139,7 +140,7 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: PagedAttentionMetadata) -> torch.Tensor:
         """q: [B, T, H, D]; k, v: [B, T, Hkv, D] -> attention output [B, T, H * D]."""
-        bsz, t, h, d = q.shape
+        bsz, t = q.shape[:2]
         self.k_slots[layer].index_copy_(0, meta.write_index, k.reshape(bsz * t, *k.shape[2:]))
         self.v_slots[layer].index_copy_(0, meta.write_index, v.reshape(bsz * t, *v.shape[2:]))
         s, n = meta.context_len, meta.block_tables.shape[1]
@@ -151,9 +152,4 @@ class PagedKVCache:
         # [B, N * block, Hkv, D] -> the first S keys, as [B, Hkv, S, D] (views)
         keys = keys.reshape(bsz, n * self.block_size, *keys.shape[-2:])[:, :s].transpose(1, 2)
         values = values.reshape(bsz, n * self.block_size, *values.shape[-2:])[:, :s].transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=meta.mask, enable_gqa=keys.shape[1] != h,
-        )  # [B, H, T, D]
-        if t == 1:  # [B, H, 1, D] is already laid out as [B, 1, H * D]
-            return out.reshape(bsz, 1, h * d)
-        return out.transpose(1, 2).reshape(bsz, t, h * d)
+        return attention(q, keys, values, meta.mask)

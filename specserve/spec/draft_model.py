@@ -1,5 +1,5 @@
 """Draft-model proposer: a smaller model of the same tokenizer family drafts k tokens
-autoregressively on its own KV cache, keeping its probabilities q for the verifier."""
+autoregressively on its own paged KV cache, keeping its probabilities q for the verifier."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from specserve.config import EngineConfig
+from specserve.engine.block_manager import BlockPool, KVCacheManager
+from specserve.engine.kv_budget import num_kv_blocks
 from specserve.engine.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
@@ -37,6 +39,13 @@ def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
 
 
 class DraftModelProposer(Proposer):
+    """Drafts on the draft model's own paged KV pool, one batched forward pass per draft position.
+
+    The pool is the draft's alone (its blocks have the draft's, smaller, shape), with as many
+    blocks as the target's pool. Prefix caching is off: the draft recomputes a shared prompt,
+    which costs one small prefill, and so never has to hash tokens or track shared blocks.
+    """
+
     name = "draft_model"
 
     def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig):
@@ -47,54 +56,81 @@ class DraftModelProposer(Proposer):
                 f"must be <= the draft model's context ({draft.config.max_position_embeddings})",
             )
         self.draft = draft
-        self.runner = ModelRunner.dense(draft.model, engine.max_num_seqs, engine.max_model_len)
-        self.free_slots = list(range(engine.max_num_seqs - 1, -1, -1))
-        self.slot: dict[str, int] = {}
-        # Tokens whose KV the draft cache holds for each request, in order. Comparing them with
-        # the committed tokens tells how much survives verification: the rest is rolled back.
+        # The target's block count, computed from the target: under kv_cache_memory the budget
+        # sizes the target's pool, and the draft's pool of as many (smaller) blocks comes on top.
+        # It holds a request at max_model_len, so no proposal is ever larger than the pool.
+        num_blocks = num_kv_blocks(target, engine)
+        self.runner = ModelRunner.paged(draft.model, num_blocks, engine.block_size)
+        self.kv = KVCacheManager(BlockPool(num_blocks, engine.block_size, enable_prefix_caching=False))
+        # Tokens whose KV the draft cache holds for each request, in order (its computed length
+        # in self.kv once the pass feeding them has run). Comparing them with the committed
+        # tokens tells how much survives verification: the rest is rolled back.
         self.cached: dict[str, list[int]] = {}
 
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
+
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        if request_id not in self.slot:
-            self.slot[request_id] = self.free_slots.pop()
+        if request_id not in self.kv:
+            self.kv.get_computed_blocks(request_id, prompt_token_ids)  # no prefix cache: nothing computed
             self.cached[request_id] = []
 
     def remove_request(self, request_id: str) -> None:
-        if request_id in self.slot:
-            self.free_slots.append(self.slot.pop(request_id))
+        if request_id in self.kv:
+            self.kv.free(request_id)
             del self.cached[request_id]
+
+    def _catch_up(self, r: SpecRequest) -> tuple[int, list[int]] | None:
+        """Roll the request's draft cache back to what verification confirmed and reserve the
+        slots of this whole proposal: the tokens committed since the last one (the whole prompt
+        the first time), then k - 1 drafts (the last draft is never fed). -> (start, tokens to
+        feed first), or None when the pool is short of blocks."""
+        rid, tokens = r.request_id, list(r.token_ids)
+        keep = min(_common_prefix(tokens, self.cached[rid]), len(tokens) - 1)  # always feed the last token
+        self.kv.rollback(rid, keep)
+        if not self.kv.allocate_slots(rid, len(tokens) - keep + r.num_speculative_tokens - 1):
+            # The draft pool is as large as the target's, but the target shares prompt blocks
+            # between requests (prefix caching) and the draft does not, so it can run out while
+            # the target runs on. Drafting is optional: this request takes a plain decode step,
+            # and gives its draft blocks back, because requests that each keep part of the pool
+            # could all stay short of it until one finishes; given back, the others can draft.
+            self.kv.rollback(rid, 0)
+            self.cached[rid] = []
+            return None
+        self.cached[rid] = tokens
+        return keep, tokens[keep:]
 
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftProposal:
         device = self.runner.device
-        k_max = max((r.num_speculative_tokens for r in batch), default=0)
-        rows = [i for i, r in enumerate(batch) if r.num_speculative_tokens > 0]
+        rows, starts, feeds = [], [], []
+        for i, r in enumerate(batch):
+            if r.num_speculative_tokens > 0:
+                self.add_request(r.request_id, r.token_ids)
+                caught_up = self._catch_up(r)
+                if caught_up is not None:
+                    rows.append(i)
+                    starts.append(caught_up[0])
+                    feeds.append(caught_up[1])
         if not rows:
             return DraftProposal.empty(len(batch), device)
-        for i in rows:
-            self.add_request(batch[i].request_id, batch[i].token_ids)
         reqs = [batch[i] for i in rows]
+        k_max = max(r.num_speculative_tokens for r in reqs)
         st = SamplingTensors.from_params([r.sampling for r in reqs], device)
         vocab = self.draft.config.vocab_size
         draft_ids = torch.full((len(batch), k_max), -1, dtype=torch.long, device=device)
         draft_probs = torch.zeros(len(batch), k_max, vocab, dtype=torch.float32, device=device)
 
-        # First pass: catch up on the tokens committed since the last proposal (the whole prompt
-        # the first time), keeping the cache entries that verification confirmed.
-        starts, feeds = [], []
-        for r in reqs:
-            tokens, cached = list(r.token_ids), self.cached[r.request_id]
-            keep = _common_prefix(tokens, cached)
-            keep = min(keep, len(tokens) - 1)  # always feed at least the last token
-            starts.append(keep)
-            feeds.append(tokens[keep:])
-            self.cached[r.request_id] = tokens
+        # Pass 0 feeds the catch-up tokens, each later pass the previous pass's draft.
         active = list(range(len(reqs)))
         for step in range(k_max):
-            logits = self.runner.execute(ForwardBatch([self.slot[reqs[a].request_id] for a in active],
-                                                      starts, feeds, all_logits=False))[:, 0]  # [A, V]
-            sub = st.select(active)
-            q = processed_probs(logits, sub)  # [A, V]
+            rids = [reqs[a].request_id for a in active]
+            fb = ForwardBatch([self.kv.block_table(rid) for rid in rids], starts, feeds, all_logits=False)
+            logits = self.runner.execute(fb)[:, 0]  # [A, V]
+            for rid, s, f in zip(rids, starts, feeds):
+                self.kv.commit(rid, self.cached[rid], s + len(f))
+            q = processed_probs(logits, st.select(active))  # [A, V]
             picked = _sample(q, [reqs[a].generator for a in active])
             for j, a in enumerate(active):
                 draft_ids[rows[a], step] = picked[j]
@@ -103,14 +139,17 @@ class DraftModelProposer(Proposer):
             for j in still:
                 # The drafted token enters the draft cache; if rejected it is rolled back by
                 # the common-prefix check of the next proposal.
-                self.cached[reqs[active[j]].request_id].append(int(picked[j]))
+                self.cached[rids[j]].append(picked[j])
             starts = [starts[j] + len(feeds[j]) for j in still]
-            feeds = [[int(picked[j])] for j in still]
+            feeds = [[picked[j]] for j in still]
             active = [active[j] for j in still]
             if not active:
                 break
-        num_draft = torch.tensor([r.num_speculative_tokens for r in batch], dtype=torch.long, device=device)
-        return DraftProposal(draft_token_ids=draft_ids, num_draft=num_draft, draft_probs=draft_probs)
+        num_draft = [0] * len(batch)
+        for i in rows:
+            num_draft[i] = batch[i].num_speculative_tokens
+        return DraftProposal(draft_token_ids=draft_ids, draft_probs=draft_probs,
+                             num_draft=torch.tensor(num_draft, dtype=torch.long, device=device))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

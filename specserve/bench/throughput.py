@@ -1,0 +1,189 @@
+"""Throughput mode of `specserve bench`: the whole prompt set through one engine with c requests
+in flight, a new one submitted as soon as one finishes, and the serving figures that gives."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from specserve.bench.runner import Config
+from specserve.outputs import SpecStats
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Completion:
+    """One finished request of a concurrent run."""
+
+    token_ids: list[int]
+    ttft_s: float  # submission to first generated token (queueing for a KV slot included)
+    tpot_s: float | None  # (finish - first token) / (generated - 1); None under 2 tokens
+    decode_s: float  # finish - first token
+    spec: SpecStats | None  # None for plain decoding
+
+
+@dataclass(slots=True)
+class ConcurrentRun:
+    """The whole prompt set through one engine at one concurrency."""
+
+    config: Config
+    concurrency: int
+    completions: list[Completion]  # aligned with the prompts
+    wall_s: float  # first submission to last finish
+    prefix_cache_hit_rate: float  # over this run's lookups only (the warm-up's are subtracted)
+    num_preemptions: int
+
+
+def run_concurrent(engine, config: Config, prompts: Sequence[list[int]], params_for: Callable[[int], SamplingParams],
+                   concurrency: int, progress: Callable[[], None], tag: str = "") -> ConcurrentRun:
+    """Keep `concurrency` requests in the engine until every prompt is done; -> figures per prompt.
+
+    Prompt i is request `{tag}{i}`, submitted in order; TTFT counts from its submission, which
+    is when a slot freed (a closed loop: c users, each sending the next prompt on an answer)."""
+    pool, speculative = engine.scheduler.pool, config.method != "none"
+    stats0, preempt0 = pool.prefix_cache_stats(), engine.scheduler.num_preemptions
+    pending = deque(range(len(prompts)))
+    done: list[Completion | None] = [None] * len(prompts)
+    in_flight: set[str] = set()
+
+    def submit() -> None:
+        i = pending.popleft()
+        rid = f"{tag}{i}"
+        engine.add_request(rid, prompts[i], params_for(i))
+        in_flight.add(rid)
+
+    t0 = time.perf_counter()
+    try:
+        while pending and len(in_flight) < concurrency:
+            submit()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                m = out.metrics
+                n = len(out.outputs[0].token_ids)
+                decode = m.finished_time - m.first_token_time
+                done[int(out.request_id[len(tag):])] = Completion(
+                    list(out.outputs[0].token_ids), m.first_token_time - m.arrival_time,
+                    decode / (n - 1) if n >= 2 else None, decode, out.spec if speculative else None)
+                in_flight.discard(out.request_id)
+                engine.pop_finished(out.request_id)
+                progress()
+                if pending:
+                    submit()
+        wall = time.perf_counter() - t0
+    finally:
+        for rid in in_flight:
+            engine.abort_request(rid)
+            engine.pop_finished(rid)
+    stats = pool.prefix_cache_stats()
+    queried = stats.queried_blocks - stats0.queried_blocks
+    hit_rate = (stats.hit_blocks - stats0.hit_blocks) / queried if queried else 0.0
+    return ConcurrentRun(config, concurrency, done, wall, hit_rate, engine.scheduler.num_preemptions - preempt0)
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class ThroughputFigures:
+    config: Config
+    temperature: float
+    concurrency: int
+    num_prompts: int
+    num_tokens: int
+    wall_s: float
+    tokens_per_s: float  # all generated tokens over the run's wall time
+    requests_per_s: float
+    decode_tokens_per_s: float  # per-request decode speed: tokens after the first over the time after
+    speedup: float | None  # tokens_per_s over plain's at the same concurrency
+    ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    tpot_ms_p50: float | None  # over requests with >= 2 tokens
+    tpot_ms_p99: float | None
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
+    acceptance_by_position: list[float] | None
+    identical_to_baseline: float | None  # fraction equal to plain's at the same concurrency; greedy only
+    prefix_cache_hit_rate: float
+    num_preemptions: int
+
+    def as_dict(self) -> dict:
+        r = lambda x: None if x is None else round(x, 4)  # noqa: E731
+        c = self.config
+        return {"method": c.method, "label": c.label, "draft": c.draft, "num_speculative_tokens": c.num_speculative_tokens,
+                "temperature": self.temperature, "concurrency": self.concurrency, "num_prompts": self.num_prompts,
+                "num_tokens": self.num_tokens, "wall_s": r(self.wall_s), "tokens_per_s": r(self.tokens_per_s),
+                "requests_per_s": r(self.requests_per_s), "decode_tokens_per_s": r(self.decode_tokens_per_s),
+                "speedup": r(self.speedup), "ttft_ms_p50": r(self.ttft_ms_p50), "ttft_ms_p99": r(self.ttft_ms_p99),
+                "tpot_ms_p50": r(self.tpot_ms_p50), "tpot_ms_p99": r(self.tpot_ms_p99),
+                "acceptance_rate": r(self.acceptance_rate), "mean_accepted_length": r(self.mean_accepted_length),
+                "acceptance_by_position": None if self.acceptance_by_position is None
+                else [r(a) for a in self.acceptance_by_position],
+                "identical_to_baseline": r(self.identical_to_baseline),
+                "prefix_cache_hit_rate": r(self.prefix_cache_hit_rate), "num_preemptions": self.num_preemptions}
+
+
+def throughput_figures(run: ConcurrentRun, baseline: ConcurrentRun, temperature: float) -> ThroughputFigures:
+    """`baseline` is plain decoding at the same concurrency on the same prompts."""
+    done, base = run.completions, baseline.completions
+    tokens = sum(len(c.token_ids) for c in done)
+    rate = lambda n, s: n / s if s > 0 else 0.0  # noqa: E731
+    tps = rate(tokens, run.wall_s)
+    base_tps = rate(sum(len(c.token_ids) for c in base), baseline.wall_s)
+    ttft = [c.ttft_s * 1e3 for c in done]
+    tpot = [c.tpot_s * 1e3 for c in done if c.tpot_s is not None]
+    spec = None
+    if all(c.spec is not None for c in done):
+        spec = SpecStats()
+        for c in done:
+            spec.merge(c.spec)
+    return ThroughputFigures(
+        config=run.config, temperature=temperature, concurrency=run.concurrency, num_prompts=len(done),
+        num_tokens=tokens, wall_s=run.wall_s, tokens_per_s=tps, requests_per_s=rate(len(done), run.wall_s),
+        decode_tokens_per_s=rate(sum(max(0, len(c.token_ids) - 1) for c in done), sum(c.decode_s for c in done)),
+        speedup=tps / base_tps if base_tps > 0 else None,
+        ttft_ms_p50=percentile(ttft, 50), ttft_ms_p99=percentile(ttft, 99),
+        tpot_ms_p50=percentile(tpot, 50), tpot_ms_p99=percentile(tpot, 99),
+        acceptance_rate=None if spec is None else spec.acceptance_rate,
+        mean_accepted_length=None if spec is None else spec.mean_accepted_length,
+        acceptance_by_position=None if spec is None else spec.acceptance_by_position,
+        identical_to_baseline=sum(a.token_ids == b.token_ids for a, b in zip(done, base)) / len(done)
+        if temperature == 0 else None,
+        prefix_cache_hit_rate=run.prefix_cache_hit_rate, num_preemptions=run.num_preemptions)
+
+
+def measure_throughput(configs: Sequence[Config], build_engine: Callable[[Config, int], object],
+                       prompts: Sequence[list[int]], concurrencies: Sequence[int],
+                       params_for: Callable[[int], SamplingParams], warmup: SamplingParams,
+                       progress: Callable[[str], None]) -> list[ConcurrentRun]:
+    """Every configuration at every concurrency, each on a fresh engine (so the prefix cache
+    holds no answers of an earlier run); -> runs ordered by concurrency, then `configs`.
+
+    `configs[0]` is plain decoding. At each concurrency the configuration order rotates, so that
+    no configuration always runs first. Before measuring, each engine runs min(c, n) short
+    requests on reversed prompts (their blocks hash apart from the real ones, so the warm-up
+    leaves nothing in the prefix cache that the measured run could hit)."""
+    runs: list[ConcurrentRun] = []
+    for ci, c in enumerate(concurrencies):
+        found: dict[int, ConcurrentRun] = {}
+        for j in range(len(configs)):
+            idx = (ci + j) % len(configs)
+            config = configs[idx]
+            engine = build_engine(config, c)
+            warm = [list(reversed(p)) for p in prompts[:min(c, len(prompts))]]
+            run_concurrent(engine, config, warm, lambda i: warmup, c, lambda: None, tag="warmup-")
+            found[idx] = run_concurrent(engine, config, prompts, params_for, c, lambda: progress(f"{config.label} c={c}"))
+            del engine  # its KV cache goes before the next engine allocates one
+        runs += [found[i] for i in range(len(configs))]
+    return runs
