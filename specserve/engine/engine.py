@@ -22,25 +22,6 @@ from specserve.spec import DraftProposal, Proposer, SpecRequest, VerifyFeedback
 from specserve.tokenizer import IncrementalDetokenizer
 
 
-def _padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
-    """Split prompt chunks into forward passes whose padding (every row padded to the longest)
-    stays under `max_waste` of the computed tokens: chunks of similar length share a pass, a
-    long one runs alone. One padded [10, 800] pass for ten prompts of 50 to 800 tokens costs
-    several times the ten passes it replaces (attention and matrices over the padding)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        n = lengths[i]
-        if groups and (len(groups[-1]) + 1) * n <= (1 + max_waste) * (real + n):
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = n
-    return groups
-
-
 class LLMEngine:
     def __init__(self, target: LoadedModel, config: EngineConfig, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 0):
@@ -138,15 +119,10 @@ class LLMEngine:
         """Prompt chunks (of new, resumed or preempted requests); a chunk that reaches the
         request's last token also samples its next token."""
         reqs = [s.request for s in chunks]
-        logits = [None] * len(chunks)
-        for group in _padding_groups([s.num_new_tokens for s in chunks]):
-            fb = ForwardBatch([self.scheduler.block_table(reqs[i]) for i in group],
-                              [reqs[i].num_computed_tokens for i in group],
-                              [reqs[i].all_token_ids[reqs[i].num_computed_tokens:reqs[i].num_computed_tokens
-                                                     + chunks[i].num_new_tokens] for i in group], all_logits=False)
-            for i, row in zip(group, self.runner.execute(fb)):  # [G, 1, V]
-                logits[i] = row
-        logits = torch.stack(logits)  # [B, 1, V]
+        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], [r.num_computed_tokens for r in reqs],
+                          [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens]
+                           for r, s in zip(reqs, chunks)], all_logits=False)
+        logits = self.runner.execute_last(fb)  # [B, 1, V]
         rows = [i for i, s in enumerate(chunks) if s.samples]
         out = None
         if rows:

@@ -127,7 +127,7 @@ class DraftModelProposer(Proposer):
         for step in range(k_max):
             rids = [reqs[a].request_id for a in active]
             fb = ForwardBatch([self.kv.block_table(rid) for rid in rids], starts, feeds, all_logits=False)
-            logits = self.runner.execute(fb)[:, 0]  # [A, V]
+            logits = self.runner.execute_last(fb)[:, 0]  # [A, V]
             for rid, s, f in zip(rids, starts, feeds):
                 self.kv.commit(rid, self.cached[rid], s + len(f))
             q = processed_probs(logits, st.select(active))  # [A, V]
