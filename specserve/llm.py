@@ -129,7 +129,4 @@ class LLM:
 
     @staticmethod
     def aggregate_spec_stats(outputs: Sequence[RequestOutput]) -> SpecStats:
-        total = SpecStats()
-        for o in outputs:
-            total.merge(o.spec)
-        return total
+        return SpecStats.total(o.spec for o in outputs)

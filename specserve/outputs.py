@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -48,6 +49,14 @@ class SpecStats:
         for i in range(num_draft):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += i < num_accepted
+
+    @classmethod
+    def total(cls, stats: Iterable["SpecStats"]) -> "SpecStats":
+        """The figures summed over many requests."""
+        out = cls()
+        for st in stats:
+            out.merge(st)
+        return out
 
     def merge(self, other: "SpecStats") -> None:
         self.num_drafted += other.num_drafted

@@ -35,3 +35,16 @@ def hf_smollm(smollm_gguf_path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm_gguf_path.parent), gguf_file=smollm_gguf_path.name, dtype=torch.float32
     ).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A tiny random Llama target and a smaller draft with the same 64-token vocabulary, saved
+    as model folders, loaded once for the whole session."""
+    from specserve.model.loader import load_model
+    from tests.helpers import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_checkpoint(root / "target", vocab_size=64, seed=0)
+    draft = make_tiny_checkpoint(root / "draft", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1)
+    return {"target": str(target), "draft": str(draft), "loaded": load_model(target), "loaded_draft": load_model(draft)}

@@ -7,21 +7,12 @@ import pytest
 
 from specserve.config import EngineConfig
 from specserve.llm import LLM
-from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec import SpecRequest
 from specserve.spec.draft_model import DraftModelProposer
-from tests.helpers import generate_ids, make_tiny_checkpoint, ragged_prompts
+from tests.helpers import generate_ids, ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_draft_paged")
-    target = make_tiny_checkpoint(root / "target", vocab_size=64, seed=0)
-    draft = make_tiny_checkpoint(root / "draft", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1)
-    return {"target": str(target), "draft": str(draft), "loaded": load_model(target), "loaded_draft": load_model(draft)}
 
 
 def run(llm, prompts, params=GREEDY):

@@ -9,19 +9,10 @@ import torch
 
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
-from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
-from tests.helpers import generate_ids, make_tiny_checkpoint, ragged_prompts
+from tests.helpers import generate_ids, ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny_paged")
-    target = make_tiny_checkpoint(root / "target", vocab_size=64, seed=0)
-    draft = make_tiny_checkpoint(root / "draft", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1)
-    return {"loaded": load_model(target), "draft": str(draft)}
 
 
 def run(llm, prompts, params=GREEDY):

@@ -16,14 +16,6 @@ from tests.helpers import chi_square_pvalue, make_tiny_checkpoint
 GREEDY = SamplingParams(temperature=0, max_tokens=48)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    target = make_tiny_checkpoint(root / "target", vocab_size=64, seed=0)
-    other = make_tiny_checkpoint(root / "draft", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1)
-    return {"target": target, "draft": other, "loaded": load_model(target)}
-
-
 def tiny_prompts(n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     # Repetitive prompts (a random phrase repeated) give the n-gram proposer something to find.

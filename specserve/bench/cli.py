@@ -216,9 +216,9 @@ def _run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[li
                     params_for, warmup, temperature: float, model_len: int) -> list:
     """Every configuration at every concurrency, each on its own engine with room for c requests.
 
-    `model_len` is the longest request's context, not the model's: the KV pool (and a draft
-    model's dense cache, max_num_seqs x max_model_len) then holds c requests at once without
-    preemption even at high concurrency. Requests still stop at max_tokens, as in latency mode,
+    `model_len` is the longest request's context, not the model's: the KV pools (the target's
+    and a draft model's, as many blocks each) then hold c requests at once without preemption
+    even at high concurrency. Requests still stop at max_tokens, as in latency mode,
     so outputs are the same."""
     from tqdm import tqdm
 

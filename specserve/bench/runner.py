@@ -78,24 +78,21 @@ class Figures:
                 "identical_to_baseline": r(self.identical_to_baseline)}
 
 
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 else 0.0
+def rate(count: float, seconds: float) -> float:
+    """Per second, 0 for an empty interval."""
+    return count / seconds if seconds > 0 else 0.0
 
 
 def figures(samples: Sequence[Sample], baseline: Sequence[Sample], greedy: bool) -> Figures:
     """Tokens/s is total tokens over total request time, so long answers weigh more, as they do
     for a user waiting on them. Identity compares prompt by prompt with plain decoding."""
     tokens = sum(len(s.token_ids) for s in samples)
-    tps = _rate(tokens, sum(s.seconds for s in samples))
-    base_tps = _rate(sum(len(s.token_ids) for s in baseline), sum(s.seconds for s in baseline))
-    decode_tps = _rate(sum(max(0, len(s.token_ids) - 1) for s in samples),
+    tps = rate(tokens, sum(s.seconds for s in samples))
+    base_tps = rate(sum(len(s.token_ids) for s in baseline), sum(s.seconds for s in baseline))
+    decode_tps = rate(sum(max(0, len(s.token_ids) - 1) for s in samples),
                        sum(s.seconds - s.first_token_seconds for s in samples))
     identical = sum(a.token_ids == b.token_ids for a, b in zip(samples, baseline)) / len(samples) if greedy else None
-    spec = None
-    if all(s.spec is not None for s in samples):
-        spec = SpecStats()
-        for s in samples:
-            spec.merge(s.spec)
+    spec = SpecStats.total(s.spec for s in samples) if all(s.spec is not None for s in samples) else None
     return Figures(
         num_prompts=len(samples),
         num_tokens=tokens,

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from specserve.bench.runner import Config
+from specserve.bench.runner import Config, rate
 from specserve.outputs import SpecStats
 from specserve.sampling_params import SamplingParams
 
@@ -138,16 +138,11 @@ def throughput_figures(run: ConcurrentRun, baseline: ConcurrentRun, temperature:
     """`baseline` is plain decoding at the same concurrency on the same prompts."""
     done, base = run.completions, baseline.completions
     tokens = sum(len(c.token_ids) for c in done)
-    rate = lambda n, s: n / s if s > 0 else 0.0  # noqa: E731
     tps = rate(tokens, run.wall_s)
     base_tps = rate(sum(len(c.token_ids) for c in base), baseline.wall_s)
     ttft = [c.ttft_s * 1e3 for c in done]
     tpot = [c.tpot_s * 1e3 for c in done if c.tpot_s is not None]
-    spec = None
-    if all(c.spec is not None for c in done):
-        spec = SpecStats()
-        for c in done:
-            spec.merge(c.spec)
+    spec = SpecStats.total(c.spec for c in done) if all(c.spec is not None for c in done) else None
     return ThroughputFigures(
         config=run.config, temperature=temperature, concurrency=run.concurrency, num_prompts=len(done),
         num_tokens=tokens, wall_s=run.wall_s, tokens_per_s=tps, requests_per_s=rate(len(done), run.wall_s),
