@@ -1,4 +1,4 @@
-"""specserve command line: generate | bench."""
+"""specserve command line: generate | bench | serve | bench-serve."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from specserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
+    from specserve.server.launcher import add_serve_parser
+    add_serve_parser(sub)
+    from specserve.bench.serve_load import add_bench_serve_parser
+    add_bench_serve_parser(sub)
     return parser
 
 
@@ -69,6 +73,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from specserve.bench.cli import run_bench
             return run_bench(args)
+        if args.command == "bench-serve":
+            from specserve.bench.serve_load import run_bench_serve
+            return run_bench_serve(args)
+        if args.command == "serve":
+            from specserve.server.launcher import run_serve
+            return run_serve(args)
     except SpecserveError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2

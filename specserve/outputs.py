@@ -106,6 +106,16 @@ class RequestMetrics:
         return (self.num_generated_tokens - 1) / span if span > 0 else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log probability of one generated token under the model's raw distribution, with the
+    most likely alternatives at that position (as many as SamplingParams.logprobs asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log probability), most likely first
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -113,6 +123,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
 
 
 @dataclass(slots=True)

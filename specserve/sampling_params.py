@@ -9,6 +9,8 @@ from specserve.errors import InvalidParameterError
 # A request may not ask for more than this many new tokens; larger values are almost always
 # a client mistake and would pin KV-cache memory for no reason.
 MAX_TOKENS_LIMIT = 1 << 20
+# Alternatives per token that `logprobs` may ask for (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
 
 
 @dataclass(slots=True)
@@ -30,6 +32,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    # None: no log probabilities. n >= 0: the chosen token's log probability plus the n most
+    # likely alternatives at each generated position, under the model's raw distribution
+    # (before temperature and filters, as vLLM reports them).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +63,10 @@ class SamplingParams:
             _check_number("seed", self.seed, int)
             if not 0 <= self.seed < 2**63:
                 raise InvalidParameterError("seed", self.seed, "must be in [0, 2**63)")
+        if self.logprobs is not None:
+            _check_number("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidParameterError("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParameterError("stop", s, "each stop sequence must be a non-empty string")

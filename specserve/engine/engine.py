@@ -15,7 +15,7 @@ from specserve.engine.kv_budget import num_kv_blocks
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
-from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import SamplingTensors, VerifyOutput, make_generator, verify
 from specserve.sampling_params import SamplingParams
 from specserve.spec import DraftProposal, Proposer, SpecRequest, VerifyFeedback
@@ -132,8 +132,11 @@ class LLMEngine:
             r.num_computed_tokens += s.num_new_tokens
         for j, i in enumerate(rows):
             r = reqs[i]
-            r.append_token(int(out.output_token_ids[j, 0]), self.config.max_model_len)
+            tok = int(out.output_token_ids[j, 0])
+            r.append_token(tok, self.config.max_model_len)
             r.num_computed_tokens = r.num_tokens - 1
+            if r.params.logprobs is not None:
+                r.logprobs.extend(token_logprobs(logits[i], [tok], r.params.logprobs))
 
     def _decode(self, scheduled: list[ScheduledRequest]) -> None:
         reqs = [s.request for s in scheduled]
@@ -153,6 +156,11 @@ class LLMEngine:
         self.runner.synchronize()
         t2 = time.perf_counter()
         self._commit(reqs, n_draft, out, proposer_time=(t1 - t0) / len(reqs), target_time=(t2 - t1) / len(reqs))
+        for i, r in enumerate(reqs):
+            if r.params.logprobs is not None:
+                # Row j of a request's logits scored the token committed at step position j.
+                new = len(r.output_token_ids) - len(r.logprobs)
+                r.logprobs.extend(token_logprobs(logits[i], r.output_token_ids[-new:], r.params.logprobs))
 
     def _propose(self, reqs: list[Request], max_drafts: list[int]) -> DraftProposal:
         """Drafts for the decoding requests, at most `max_drafts[i]` each (the slots the
@@ -213,12 +221,27 @@ class LLMEngine:
     def _output(self, r: Request) -> RequestOutput:
         if r.finished and r.metrics.finished_time is None:
             r.metrics.finished_time = time.perf_counter()
-        completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason)
+        completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
+                                      list(r.logprobs) if r.params.logprobs is not None else None)
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], r.finished,
                              r.metrics, r.spec, new_text=r.take_new_text())
+
+    def output(self, request_id: str) -> RequestOutput:
+        """The current output of a request the engine holds (e.g. an aborted one's last)."""
+        return self._output(self.requests[request_id])
 
     def pop_finished(self, request_id: str) -> None:
         """Forget a finished request (its figures were handed out with its last output)."""
         req = self.requests.get(request_id)
         if req is not None and req.finished:
             del self.requests[request_id]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: int) -> list[TokenLogprob]:
+    """logits [>= len(tokens), V] raw, row j scoring tokens[j] -> one TokenLogprob per token."""
+    n = len(tokens)
+    lp = torch.log_softmax(logits[:n].float(), dim=-1)  # [n, V]
+    chosen = lp.gather(-1, torch.tensor(tokens, device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    top_v, top_i = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [TokenLogprob(t, c, tuple(zip(ids, vals))) for t, c, ids, vals in zip(tokens, chosen, top_i, top_v)]

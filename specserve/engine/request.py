@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.outputs import RequestMetrics, SpecStats
+from specserve.outputs import RequestMetrics, SpecStats, TokenLogprob
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -42,6 +42,7 @@ class Request:
     text: str = ""
     num_text_sent: int = 0  # characters of `text` already handed out for streaming
     spec: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter()))
 
     @property

@@ -1,0 +1,286 @@
+"""The engine behind a server: LLMEngine stepping in its own thread, requests in and outputs out
+through asyncio.
+
+The engine is not thread-safe and a step holds the GIL-releasing torch kernels for milliseconds,
+so it runs on one dedicated thread and nothing else touches it. The event loop talks to that
+thread through a command queue (add, abort) that the thread drains between steps; outputs travel
+back with `loop.call_soon_threadsafe` into one asyncio.Queue per request. Figures that the
+server reads at any time (queue lengths, KV blocks) are published as an immutable snapshot after
+every step, so a /metrics scrape never reads the scheduler while it changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from specserve.engine.engine import LLMEngine
+from specserve.errors import SpecserveError
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("specserve.engine")
+
+# How long the idle engine thread sleeps between checks of its stop flag; commands wake it at once.
+_IDLE_WAIT_S = 0.5
+
+
+class QueueFullError(SpecserveError):
+    """The waiting queue holds max_waiting requests already: the client should retry later."""
+
+
+class EngineStoppedError(SpecserveError):
+    """The engine is shutting down (or died) and takes no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine looked like after its last step (published by the engine thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # queued in the scheduler, plus adds the thread has not taken yet
+    num_requests: int = 0  # requests the engine still holds (running, waiting, or finished but not popped)
+    num_kv_blocks: int = 0
+    num_kv_blocks_used: int = 0  # referenced by requests; evictable prefix-cache blocks count as free
+    prefix_cache_queried_blocks: int = 0
+    prefix_cache_hit_blocks: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    use_speculation: bool
+    num_speculative_tokens: int | None
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue  # RequestOutput items, or one exception
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    """`async for out in engine.generate(...)`: outputs of one request as the engine steps.
+
+    Leaving the loop early (a client went away, a task was cancelled) aborts the request, so its
+    KV blocks return to the pool. `on_finish` is called on the engine thread with the last output
+    of every request (finished, stopped or aborted), for logs and metrics.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None):
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0):
+            raise ValueError(f"max_waiting={max_waiting!r} must be an integer >= 0 or None")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_finish = on_finish
+        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # guards _pending, the adds sent but not yet taken
+        self._pending = 0
+        self._streams: dict[str, _Add] = {}  # engine thread only
+        self._accepting = True
+        self._stop = False
+        self.error: BaseException | None = None  # set when a step failed: the engine is dead
+        self.snapshot = self._take_snapshot()
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.error is None
+
+    def stop_accepting(self) -> None:
+        self._accepting = False
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every request to finish; True when none is left."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.snapshot.num_requests or self._pending:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def shutdown(self) -> None:
+        """Stop the thread; requests still running are aborted and their streams end."""
+        self._accepting = False
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                       prompt: str | None = None, use_speculation: bool = True,
+                       num_speculative_tokens: int | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of the request after each step that produced tokens for it; the last one has
+        `finished` set. Raises the engine's own SpecserveError when the request is refused."""
+        add = self.submit(request_id, prompt_token_ids, params, prompt, use_speculation, num_speculative_tokens)
+        async for out in self.stream(add):
+            yield out
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+               prompt: str | None = None, use_speculation: bool = True,
+               num_speculative_tokens: int | None = None) -> _Add:
+        """Queue a request now (refusals raise here, before any output is awaited); read its
+        outputs with `stream`. Servers submit all choices of a request before awaiting any."""
+        if not self.accepting:
+            raise EngineStoppedError("the server is shutting down and takes no new requests"
+                                     if self.error is None else f"the engine stopped after an internal error: {self.error}")
+        with self._lock:
+            if self.max_waiting is not None:
+                # Room for a full running batch plus max_waiting queued behind it; adds not yet
+                # taken by the engine thread count as waiting.
+                snap = self.snapshot
+                in_flight = snap.num_running + snap.num_waiting + self._pending
+                if in_flight >= self.engine.config.max_num_seqs + self.max_waiting:
+                    raise QueueFullError(f"the server is at capacity: {self.engine.config.max_num_seqs} requests running "
+                                         f"and {self.max_waiting} waiting (--max-waiting); retry later")
+            self._pending += 1
+        add = _Add(request_id, list(prompt_token_ids), params, prompt, use_speculation, num_speculative_tokens,
+                   asyncio.get_running_loop(), asyncio.Queue())
+        self._send(add)
+        return add
+
+    async def stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await add.outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(add.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def _send(self, cmd: _Add | _Abort) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._wake.clear()
+                self._take_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._publish()
+                    self._wake.wait(_IDLE_WAIT_S)
+                    continue
+                outputs = self.engine.step()
+                for out in outputs:
+                    self._deliver(out)
+                self._publish()
+        except BaseException as e:  # a bug in a step: fail every request loudly, take no more
+            logger.exception("engine step failed; the engine stops")
+            self.error = e
+        finally:
+            self._take_commands()
+            self._abort_all()
+            self._publish()
+
+    def _take_commands(self) -> None:
+        taken = 0
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                taken += 1
+                self._add(cmd)
+            elif cmd.request_id in self._streams:
+                self.engine.abort_request(cmd.request_id)
+                self._deliver(self.engine.output(cmd.request_id))
+        if taken:
+            # Publish before un-counting them: the taken adds must show in the snapshot's
+            # waiting count first, or the capacity check could miss them for a moment.
+            self._publish()
+            with self._lock:
+                self._pending -= taken
+
+    def _add(self, add: _Add) -> None:
+        if self._stop or self.error is not None:
+            self._put(add, EngineStoppedError("the server is shutting down and takes no new requests"))
+            return
+        try:
+            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.prompt,
+                                    add.use_speculation, add.num_speculative_tokens)
+        except (SpecserveError, ValueError) as e:
+            self._put(add, e)
+            return
+        self._streams[add.request_id] = add
+
+    def _deliver(self, out: RequestOutput) -> None:
+        add = self._streams.get(out.request_id)
+        if add is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+            self.engine.pop_finished(out.request_id)
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(out)
+                except Exception:  # figures must never take the engine down
+                    logger.exception("on_finish failed for request %s", out.request_id)
+        self._put(add, out)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._streams):
+            self.engine.abort_request(rid)
+            out = self.engine.output(rid)
+            if self.error is not None:
+                add = self._streams.pop(rid)
+                self.engine.pop_finished(rid)
+                self._put(add, EngineStoppedError(f"the engine stopped after an internal error: {self.error}"))
+            else:
+                self._deliver(out)
+
+    @staticmethod
+    def _put(add: _Add, item: RequestOutput | BaseException) -> None:
+        try:
+            add.loop.call_soon_threadsafe(add.outputs.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _publish(self) -> None:
+        self.snapshot = self._take_snapshot()
+
+    def _take_snapshot(self) -> EngineSnapshot:
+        sched = self.engine.scheduler
+        pool = sched.pool
+        stats = pool.prefix_cache_stats()
+        return EngineSnapshot(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_requests=len(self.engine.requests),
+            num_kv_blocks=pool.num_blocks,
+            num_kv_blocks_used=pool.num_blocks - pool.num_available_blocks,
+            prefix_cache_queried_blocks=stats.queried_blocks,
+            prefix_cache_hit_blocks=stats.hit_blocks,
+            num_preemptions=sched.num_preemptions,
+        )

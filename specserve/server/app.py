@@ -1,0 +1,148 @@
+"""The HTTP routes of the OpenAI-compatible server, its guard (API key, body size) and its error
+handlers. Translation to engine calls lives in serving.py; the bodies in protocol.py."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specserve import __version__
+from specserve.server.errors import APIError, error_response, validation_message
+from specserve.server.metrics import ServerMetrics
+from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                       CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from specserve.server.serving import OpenAIServing
+
+logger = logging.getLogger("specserve.server")
+
+_ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in [
+    (400, "invalid request: the message names the parameter and what is allowed"),
+    (401, "missing or wrong API key"), (404, "unknown model"), (413, "request body too large"),
+    (503, "the waiting queue is full, or the server is shutting down")]}
+
+
+def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
+    config = serving.config
+    engine = serving.engine
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            # The HTTP server has stopped taking connections and waited (up to the grace
+            # period) for open ones; whatever still runs is aborted here.
+            engine.shutdown()
+
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API of a specserve engine (lossless speculative decoding)")
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(list(e.errors()))
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        status = 400 if e.status_code == 422 else e.status_code
+        return error_response(status, str(e.detail), headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(500, f"internal error in specserve: {type(e).__name__}")
+
+    @app.get("/health", responses={503: _ERRORS[503]})
+    async def health() -> Response:
+        if not engine.accepting:
+            return error_response(503, "the engine is not taking requests (shutting down or stopped)")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, created=0, max_model_len=config.max_model_len)
+                               for name in config.served_model_names])
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat(body, raw)
+
+    return app
+
+
+class Guard:
+    """ASGI middleware in front of every route: checks the API key of /v1 calls (a constant-time
+    comparison, so response timing does not leak the key) and reads request bodies up to
+    `max_body_bytes`, refusing larger ones with 413 before anything parses them."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get("authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.api_key):
+                what = "missing" if not given else "wrong"
+                resp = error_response(401, f"{what} API key: send the header 'Authorization: Bearer <key>' with "
+                                           "the key the server was started with (--api-key)", code="invalid_api_key")
+                return await resp(scope, receive, send)
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._too_large(scope, receive, send, int(declared))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await self._too_large(scope, receive, send, size)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: only the disconnect can come
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        resp = error_response(413, f"the request body ({size} bytes or more) is larger than the limit of "
+                                   f"{self.max_body_bytes} bytes (--max-body-bytes)", code="body_too_large",
+                              headers={"Connection": "close"})
+        await resp(scope, receive, send)

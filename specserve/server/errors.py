@@ -1,0 +1,69 @@
+"""Errors in the OpenAI format: {"error": {"message", "type", "param", "code"}} with the right
+HTTP status. Everything a client can get wrong maps to a 4xx that names what was wrong and what
+is allowed; a 500 means a bug in specserve."""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+from specserve.server.protocol import ErrorInfo, ErrorResponse
+
+# OpenAI's error "type" strings by status, so that clients raise their usual exception classes.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          499: "client_closed_request", 503: "service_unavailable_error", 500: "internal_error"}
+
+
+class APIError(Exception):
+    """An HTTP error response: raised anywhere in request handling, rendered by the app."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.headers)
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
+    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """pydantic/FastAPI validation errors -> one message naming each bad field, and the first
+    field's name as `param`."""
+    parts: list[str] = []
+    first: str | None = None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # Unions add the branch type to the location ("prompt.str"); the field is what matters.
+        loc = [x for x in loc if x not in {"str", "int", "float", "bool", "list[str]", "list[int]",
+                                           "list[list[int]]", "list[TextPart]", "constrained-str"}]
+        name = ".".join(loc) or None
+        first = first or name
+        kind = e.get("type", "")
+        if kind == "json_invalid":
+            parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
+        elif kind == "extra_forbidden":
+            parts.append(f"unknown parameter {name!r}: this API does not accept it")
+        elif kind == "missing":
+            parts.append(f"missing required parameter {name!r}")
+        elif name is None:
+            parts.append(f"the body must be a JSON object ({e.get('msg')})")
+        else:
+            value = e.get("input")
+            shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            parts.append(f"invalid {name}={shown}: {e.get('msg', 'invalid value')}")
+    if len(errors) > 5:
+        parts.append(f"and {len(errors) - 5} more")
+    return "; ".join(parts) or "invalid request", first

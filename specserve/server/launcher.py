@@ -1,0 +1,119 @@
+"""`specserve serve`: load the model, build the engine and the app, run uvicorn until SIGTERM.
+
+Shutdown: on SIGTERM (or Ctrl-C) uvicorn stops accepting connections and lets open requests
+run for up to --grace-period seconds, then cancels them (their engine requests are aborted);
+the app's lifespan stops the engine thread and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+
+from specserve.errors import InvalidParameterError
+
+
+def add_serve_parser(sub) -> None:
+    from specserve.cli import _add_model_args, _add_spec_args
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                       description="POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics")
+    _add_model_args(s)
+    _add_spec_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    s.add_argument("--served-model-name", action="append", default=None,
+                   help="name clients use in 'model' (repeatable; default: the model's own name)")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="requests running together")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="waiting requests beyond the running batch; more get 503 with Retry-After (0: none wait)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per engine step")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
+    s.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    s.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log line")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from specserve.cli import _spec_config
+    from specserve.config import SpeculativeConfig
+    from specserve.llm import LLM
+    from specserve.model.loader import load_model
+    from specserve.server.serving import ServerConfig
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("specserve.server")
+    # Everything the user typed is checked before seconds go into loading the model.
+    spec = _spec_config(args)
+    SpeculativeConfig.from_dict(spec)
+    if not 0 <= args.port <= 65535:
+        raise InvalidParameterError("port", args.port, "must be in [0, 65535]")
+    if args.max_waiting < 0:
+        raise InvalidParameterError("max_waiting", args.max_waiting, "must be >= 0")
+    if args.max_body_bytes < 1024:
+        raise InvalidParameterError("max_body_bytes", args.max_body_bytes, "must be >= 1024")
+    if args.grace_period < 0:
+        raise InvalidParameterError("grace_period", args.grace_period, "must be >= 0 seconds")
+    sock = _bind(args.host, args.port)
+
+    t = time.perf_counter()
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching)
+    names = tuple(args.served_model_name or [loaded.name])
+    config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
+                          grace_period_s=args.grace_period)
+    app = build_app_for(llm, config, args.max_waiting)
+    host, port = sock.getsockname()[:2]
+    log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %d KV blocks)", loaded.name, time.perf_counter() - t,
+             args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.engine.scheduler.pool.num_blocks)
+    log.info("serving %s on http://%s:%d/v1", ", ".join(names), host, port)
+
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                           timeout_graceful_shutdown=args.grace_period, lifespan="on"))
+    # uvicorn re-raises the signal that stopped it once it has shut down; a handler of our own
+    # turns that into a normal return, so a SIGTERM'd server exits 0 after its graceful stop.
+    stops: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stops.append(signum))
+    asyncio.run(server.serve(sockets=[sock]))
+    log.info("stopped%s", f" on signal {signal.Signals(stops[0]).name}" if stops else "")
+    return 0
+
+
+def build_app_for(llm, config, max_waiting: int | None):
+    """The app around an LLM's engine (the server's and the tests' one way to make it)."""
+    from specserve.engine.async_engine import AsyncEngine
+    from specserve.server.app import build_app
+    from specserve.server.metrics import ServerMetrics
+    from specserve.server.serving import OpenAIServing
+
+    engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
+    metrics = ServerMetrics(engine, config.served_model_names[0])
+    engine.on_finish = metrics.on_finish
+    return build_app(OpenAIServing(engine, llm.tokenizer, config), metrics)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InvalidParameterError("port", port, f"cannot bind {host}:{port} ({e.strerror}); pick another --port") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock

@@ -1,0 +1,92 @@
+"""Prometheus figures of the server (prometheus-client, one registry per app).
+
+Counters and histograms are updated once per finished engine request (on the engine thread;
+prometheus-client is thread-safe). Gauges read the engine's last published snapshot at scrape
+time, so a scrape never waits for a step or reads the scheduler while it changes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from specserve.engine.async_engine import AsyncEngine
+from specserve.outputs import RequestOutput, SpecStats
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.registry = r = CollectorRegistry()
+        label = {"model_name": model_name}
+        self.requests = Counter("specserve_requests", "Engine requests ended, by finish reason (stop, length, abort)",
+                                ["model_name", "finish_reason"], registry=r)
+        self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of ended requests", ["model_name"], registry=r).labels(**label)
+        self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", ["model_name"], registry=r).labels(**label)
+        self.drafted = Counter("specserve_spec_drafted_tokens", "Draft tokens proposed for verification",
+                               ["model_name"], registry=r).labels(**label)
+        self.accepted = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted by the verifier",
+                                ["model_name"], registry=r).labels(**label)
+        self.passes = Counter("specserve_spec_target_passes", "Target passes that produced tokens after the prefill",
+                              ["model_name"], registry=r).labels(**label)
+        self.ttft = Histogram("specserve_time_to_first_token_seconds", "Arrival to first token",
+                              ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**label)
+        self.tpot = Histogram("specserve_time_per_output_token_seconds", "Mean time per token after the first, per request",
+                              ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**label)
+        self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Arrival to the last token",
+                             ["model_name"], buckets=_E2E_BUCKETS, registry=r).labels(**label)
+        self._lock = threading.Lock()
+        self._spec = SpecStats()  # running totals for the two ratio gauges
+        self._model_name = model_name
+        self._gauges(engine, label)
+
+    def _gauges(self, engine: AsyncEngine, label: dict) -> None:
+        def gauge(name: str, doc: str, read) -> None:
+            Gauge(name, doc, ["model_name"], registry=self.registry).labels(**label).set_function(read)
+
+        snap = lambda: engine.snapshot  # noqa: E731 - the snapshot object is replaced after each step
+        gauge("specserve_num_requests_running", "Requests in the running batch", lambda: snap().num_running)
+        gauge("specserve_num_requests_waiting", "Requests waiting to be scheduled", lambda: snap().num_waiting)
+        gauge("specserve_num_requests_in_engine", "Requests the engine holds (running, waiting, or ending)",
+              lambda: snap().num_requests)
+        gauge("specserve_kv_blocks_total", "KV cache blocks in the pool", lambda: snap().num_kv_blocks)
+        gauge("specserve_kv_blocks_used", "KV cache blocks referenced by requests (cached free blocks excluded)",
+              lambda: snap().num_kv_blocks_used)
+        gauge("specserve_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",
+              lambda: snap().num_kv_blocks_used / max(snap().num_kv_blocks, 1))
+        gauge("specserve_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache / blocks looked up",
+              lambda: snap().prefix_cache_hit_blocks / max(snap().prefix_cache_queried_blocks, 1))
+        gauge("specserve_num_preemptions", "Requests preempted (recomputed) so far", lambda: snap().num_preemptions)
+        gauge("specserve_spec_acceptance_rate", "Accepted / drafted tokens, all requests so far",
+              lambda: self._read_spec().acceptance_rate)
+        gauge("specserve_spec_mean_accepted_length", "Tokens emitted per target pass (1.0 without speculation)",
+              lambda: self._read_spec().mean_accepted_length)
+
+    def _read_spec(self) -> SpecStats:
+        with self._lock:
+            return SpecStats.total([self._spec])
+
+    def on_finish(self, out: RequestOutput) -> None:
+        """The last output of an engine request (called on the engine thread)."""
+        m, s = out.metrics, out.spec
+        self.requests.labels(model_name=self._model_name, finish_reason=out.outputs[0].finish_reason or "abort").inc()
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(m.num_generated_tokens)
+        self.drafted.inc(s.num_drafted)
+        self.accepted.inc(s.num_accepted)
+        self.passes.inc(s.num_target_passes)
+        with self._lock:
+            self._spec.merge(s)
+        if m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+            if m.first_token_time is not None and m.num_generated_tokens > 1:
+                self.tpot.observe((m.finished_time - m.first_token_time) / (m.num_generated_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

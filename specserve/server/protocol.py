@@ -1,0 +1,209 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Requests are strict: a string where a number belongs, a boolean where an integer belongs, or a
+field the API does not know is a 400 naming the field, never a silent coercion or a guess. The
+ranges here are OpenAI's, written into the OpenAPI document the server publishes, so clients
+and fuzzers see the same contract the server enforces. Extensions beyond OpenAI (top_k, min_p,
+ignore_eos, stop_token_ids, speculation controls) follow vLLM's names.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from specserve.config import MAX_SPECULATIVE_TOKENS
+from specserve.sampling_params import MAX_LOGPROBS
+
+MAX_N = 16  # choices per request; each is its own engine request
+MAX_STOP = 16  # stop strings per request
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
+
+Text = Annotated[StrictStr, Field(max_length=1 << 20)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: StrictStr | None = Field(None, description="a served model name; the default model when omitted")
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1, description="extension: -1 or 0 disables top-k")
+    min_p: StrictFloat | None = Field(None, ge=0, le=1, description="extension")
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stop: Text | list[Text] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: StrictFloat = Field(0.0, ge=0, le=0, description="accepted for compatibility; only 0")
+    frequency_penalty: StrictFloat = Field(0.0, ge=0, le=0, description="accepted for compatibility; only 0")
+    user: StrictStr | None = Field(None, max_length=256)
+    ignore_eos: StrictBool = Field(False, description="extension")
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP, description="extension")
+    speculative: StrictBool = Field(True, description="extension: false decodes this request without speculation")
+    num_speculative_tokens: StrictInt | None = Field(
+        None, ge=0, le=MAX_SPECULATIVE_TOKENS, description="extension: draft length for this request (0: none)")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]],
+                  Field(min_length=1, max_length=MAX_PROMPTS)]
+    max_tokens: StrictInt | None = Field(16, ge=1, description="default 16 as in OpenAI; null: the rest of the context")
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    name: StrictStr | None = Field(None, max_length=256)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
+    max_tokens: StrictInt | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="default: the rest of the context")
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+# ---- responses -------------------------------------------------------------------------------
+
+class SpecUsage(BaseModel):
+    """Extension of `usage`: how speculation went for this response (all choices)."""
+
+    num_drafted_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float
+    mean_accepted_length: float  # tokens per target pass; 1.0 without speculation
+    num_target_passes: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    speculative: SpecUsage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

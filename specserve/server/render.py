@@ -1,0 +1,111 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (plain dicts, JSON-ready)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from specserve.outputs import RequestOutput, SpecStats, TokenLogprob
+from specserve.server.protocol import ChatCompletionResponse, CompletionResponse, SpecUsage, Usage
+from specserve.tokenizer import Tokenizer
+
+# JSON has no -inf; a token the model rules out entirely reports this instead (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+class Renderer:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.token_text = lru_cache(maxsize=1 << 16)(self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---- whole responses ---------------------------------------------------------------------------
+
+    def completion(self, job, echo: list[str]) -> dict:
+        choices = []
+        for c in job.choices:
+            o = c.final.outputs[0]
+            prefix = echo[c.prompt_index]
+            choices.append({"index": c.index, "text": prefix + o.text,
+                            "logprobs": None if o.logprobs is None else self.completion_logprobs(o.logprobs, len(prefix)),
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
+                                  usage=self.usage(job)).model_dump(exclude_none=False)
+
+    def chat(self, job) -> dict:
+        choices = []
+        for c in job.choices:
+            o = c.final.outputs[0]
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": o.text},
+                            "logprobs": None if o.logprobs is None else {"content": self.chat_logprobs(o.logprobs)},
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
+                                      usage=self.usage(job)).model_dump()
+
+    def usage(self, job) -> Usage:
+        finals = [c.final for c in job.choices if c.final is not None]
+        completion = sum(len(o.outputs[0].token_ids) for o in finals)
+        prompt = sum(len(ids) for ids, _ in job.prompts)  # each prompt once, however many choices
+        spec = SpecStats.total(o.spec for o in finals)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     speculative=SpecUsage(num_drafted_tokens=spec.num_drafted, num_accepted_tokens=spec.num_accepted,
+                                           acceptance_rate=round(spec.acceptance_rate, 4),
+                                           mean_accepted_length=round(spec.mean_accepted_length, 4),
+                                           num_target_passes=spec.num_target_passes))
+
+    # ---- stream chunks -----------------------------------------------------------------------------
+
+    def completion_chunk(self, job, c, out: RequestOutput, prefix: str) -> dict:
+        o = out.outputs[0]
+        choice = {"index": c.index, "text": prefix + out.new_text, "logprobs": None,
+                  "finish_reason": o.finish_reason if out.finished else None}
+        if o.logprobs is not None:
+            choice["logprobs"] = self.completion_logprobs(o.logprobs[c.logprobs_sent:], 0)
+            c.logprobs_sent = len(o.logprobs)
+        if out.finished:
+            choice["stop_reason"] = o.stop_reason
+        return {"id": job.request_id, "object": "text_completion", "created": job.created, "model": job.model,
+                "choices": [choice]}
+
+    def chat_chunk(self, job, c, out: RequestOutput, first: bool) -> dict:
+        o = out.outputs[0]
+        delta: dict = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
+        choice = {"index": c.index, "delta": delta, "logprobs": None,
+                  "finish_reason": o.finish_reason if out.finished else None}
+        if o.logprobs is not None:
+            choice["logprobs"] = {"content": self.chat_logprobs(o.logprobs[c.logprobs_sent:])}
+            c.logprobs_sent = len(o.logprobs)
+        return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
+                "choices": [choice]}
+
+    def usage_chunk(self, job) -> dict:
+        kind = "chat.completion.chunk" if job.request_id.startswith("chatcmpl") else "text_completion"
+        return {"id": job.request_id, "object": kind, "created": job.created, "model": job.model, "choices": [],
+                "usage": self.usage(job).model_dump()}
+
+    # ---- log probabilities -------------------------------------------------------------------------
+
+    def completion_logprobs(self, logprobs: list[TokenLogprob], offset: int) -> dict:
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            values.append(max(lp.logprob, _MIN_LOGPROB))
+            tops.append({self.token_text(t): max(v, _MIN_LOGPROB) for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, logprobs: list[TokenLogprob]) -> list[dict]:
+        def entry(token_id: int, value: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": max(value, _MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
+
+        return [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
+
+
+def error_body(e: Exception) -> dict:
+    """A failure after a stream started: the status is already sent, so it travels as an event."""
+    return {"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError) else "internal_error",
+                      "param": getattr(e, "param", None), "code": None}}

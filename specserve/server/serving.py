@@ -1,0 +1,296 @@
+"""Translation between the OpenAI API and engine calls: prompts to token ids, request fields to
+SamplingParams, engine outputs to response bodies and server-sent events.
+
+Each choice of a request (n choices per prompt) is its own engine request; all of them are
+submitted before any output is awaited, so they share engine steps. A watcher task listens for
+the client going away: its engine requests are then aborted and their KV blocks return to the
+pool at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from specserve.errors import InvalidParameterError, SpecserveError
+from specserve.outputs import RequestOutput, SpecStats
+from specserve.sampling_params import SamplingParams
+from specserve.server import render
+from specserve.server.errors import APIError
+from specserve.server.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
+from specserve.tokenizer import Tokenizer
+
+logger = logging.getLogger("specserve.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    served_model_names: tuple[str, ...]  # the first is the name responses carry
+    max_model_len: int
+    api_key: str | None = None
+    max_body_bytes: int = 2 << 20  # request bodies above this are refused before parsing
+    log_prompts: bool = False  # prompt text in the per-request log line (off: prompts may be private)
+    grace_period_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
+
+
+@dataclass(slots=True)
+class Choice:
+    """One engine request behind one choice of a response."""
+
+    index: int
+    prompt_index: int
+    handle: object  # the AsyncEngine submission
+    final: RequestOutput | None = None
+    text_sent: bool = False  # the first stream chunk of this choice went out
+    logprobs_sent: int = 0
+
+
+@dataclass(slots=True)
+class Job:
+    """An HTTP request on its way through the engine."""
+
+    request_id: str
+    model: str
+    prompts: list[tuple[list[int], str | None]]
+    choices: list[Choice] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.render = render.Renderer(tokenizer)
+
+    # ---- endpoints -----------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        model = self.model_name(req.model)
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported (prompt log probabilities are not "
+                                "computed); drop one of them", "echo")
+        prompts = self._completion_prompts(req.prompt)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts)
+        params = self._params(req, prompts, req.max_tokens, explicit_max=req.max_tokens is not None,
+                              logprobs=req.logprobs, param_name="max_tokens")
+        self._submit(job, req, params)
+        echo = [text if req.echo else "" for _, text in prompts]
+        if req.stream:
+            return self._stream(job, raw, lambda c, out, first: self.render.completion_chunk(
+                job, c, out, echo[c.prompt_index] if first else ""), req.stream_options)
+        await self._collect(job, raw)
+        return JSONResponse(self.render.completion(job, echo))
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.model_name(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        messages = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+                    for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+            raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)])
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = self._params(req, job.prompts, max_tokens, explicit_max=max_tokens is not None,
+                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, param_name=name)
+        self._submit(job, req, params)
+        if req.stream:
+            return self._stream(job, raw, lambda c, out, first: self.render.chat_chunk(job, c, out, first),
+                                req.stream_options)
+        await self._collect(job, raw)
+        return JSONResponse(self.render.chat(job))
+
+    def model_name(self, requested: str | None) -> str:
+        names = self.config.served_model_names
+        if requested is None or requested in names:
+            return names[0]
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {', '.join(map(repr, names))}",
+                       "model", "model_not_found")
+
+    # ---- request -> engine -----------------------------------------------------------------------
+
+    def _completion_prompts(self, prompt) -> list[tuple[list[int], str | None]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        vocab = self.tokenizer.vocab_size
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "the prompt is empty; give some text", "prompt")
+                out.append((self.tokenizer.encode(p), p))
+            else:
+                bad = [t for t in p if t >= vocab]
+                if bad:
+                    raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+                out.append((list(p), self.tokenizer.decode(p)))
+        return out
+
+    def _params(self, req, prompts, max_tokens: int | None, explicit_max: bool, logprobs: int | None,
+                param_name: str) -> Callable[[int, int], SamplingParams]:
+        """Checks the request against the context and returns params for (prompt, choice)."""
+        limit = self.config.max_model_len
+        longest = max(len(ids) for ids, _ in prompts)
+        if longest >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{longest} tokens (at least one must be left to generate); shorten the prompt",
+                           "messages" if isinstance(req, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+        if explicit_max and longest + max_tokens > limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the request asks for "
+                                f"{longest} prompt tokens plus {max_tokens} new tokens ({param_name}); "
+                                f"{param_name} may be at most {limit - longest} for this prompt",
+                           param_name, "context_length_exceeded")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise APIError(400, f"invalid stop: at most {MAX_STOP} stop sequences are allowed, got {len(stop)}", "stop")
+        if req.num_speculative_tokens and self.engine.engine.proposer is None:
+            raise APIError(400, f"invalid num_speculative_tokens={req.num_speculative_tokens}: this server runs "
+                                "without speculative decoding (start it with --speculative); only 0 is allowed",
+                           "num_speculative_tokens")
+        base = dict(temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                    min_p=req.min_p or 0.0, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+                    ignore_eos=req.ignore_eos, logprobs=logprobs)
+
+        def make(prompt_index: int, choice: int) -> SamplingParams:
+            room = limit - len(prompts[prompt_index][0])
+            seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices must differ
+            try:
+                return SamplingParams(max_tokens=min(max_tokens or room, room), seed=seed, **base)
+            except InvalidParameterError as e:
+                raise APIError(400, str(e), e.param) from e
+
+        make(0, 0)  # every field is checked before anything is queued
+        return make
+
+    def _submit(self, job: Job, req, params: Callable[[int, int], SamplingParams]) -> None:
+        try:
+            for p, (ids, text) in enumerate(job.prompts):
+                for j in range(req.n):
+                    index = p * req.n + j
+                    handle = self.engine.submit(f"{job.request_id}-{index}", ids, params(p, j), text,
+                                                use_speculation=req.speculative,
+                                                num_speculative_tokens=req.num_speculative_tokens)
+                    job.choices.append(Choice(index, p, handle))
+        except BaseException as e:
+            for c in job.choices:
+                self.engine.abort(c.handle.request_id)
+            if isinstance(e, QueueFullError):
+                raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
+            if isinstance(e, EngineStoppedError):
+                raise APIError(503, str(e), code="unavailable") from e
+            raise
+
+    # ---- engine -> response --------------------------------------------------------------------
+
+    async def _collect(self, job: Job, raw: Request) -> None:
+        async def last(c: Choice) -> None:
+            async for out in self.engine.stream(c.handle):
+                c.final = out
+
+        tasks = [asyncio.create_task(last(c)) for c in job.choices]
+        everything = asyncio.gather(*tasks)
+        watcher = asyncio.create_task(_wait_disconnect(raw))
+        try:
+            await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not everything.done():
+                raise APIError(499, "the client closed the connection")
+            everything.result()
+        except SpecserveError as e:
+            raise APIError(400, str(e)) from e
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()  # a choice still running (client gone, or a sibling failed) is aborted
+            await asyncio.gather(everything, return_exceptions=True)
+            self._log(job)
+
+    def _stream(self, job: Job, raw: Request, chunk: Callable[[Choice, RequestOutput, bool], dict],
+                options) -> StreamingResponse:
+        include_usage = bool(options and options.include_usage)
+        return StreamingResponse(self._events(job, raw, chunk, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, job: Job, raw: Request, chunk, include_usage: bool) -> AsyncIterator[str]:
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            try:
+                async for out in self.engine.stream(c.handle):
+                    merged.put_nowait((c, out))
+            except Exception as e:
+                merged.put_nowait((c, e))
+
+        tasks = [asyncio.create_task(pump(c)) for c in job.choices]
+        watcher = asyncio.create_task(_wait_disconnect(raw))
+        watcher.add_done_callback(lambda _: merged.put_nowait(None))
+        try:
+            remaining = len(job.choices)
+            while remaining:
+                item = await merged.get()
+                if item is None:
+                    return  # the client is gone: the finally aborts what still runs
+                c, out = item
+                if isinstance(out, Exception):
+                    yield _sse(render.error_body(out))
+                    break
+                first = not c.text_sent
+                c.text_sent = True
+                if out.finished:
+                    c.final = out
+                    remaining -= 1
+                yield _sse(chunk(c, out, first))
+            else:
+                if include_usage:
+                    yield _sse(self.render.usage_chunk(job))
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            for t in tasks:
+                t.cancel()
+            self._log(job)
+
+    def _log(self, job: Job) -> None:
+        finals = [c.final for c in job.choices if c.final is not None]
+        spec = SpecStats.total(o.spec for o in finals)
+        reasons = ",".join(sorted({str(c.final.outputs[0].finish_reason) if c.final else "abort" for c in job.choices}))
+        line = (f"{job.request_id}: {len(job.choices)} choice(s), prompt {sum(len(p) for p, _ in job.prompts)} tok, "
+                f"output {sum(len(o.outputs[0].token_ids) for o in finals)} tok, finish {reasons}, "
+                f"latency {time.perf_counter() - job.started:.3f}s")
+        if spec.num_drafted:
+            line += (f", acceptance {spec.acceptance_rate:.2f} ({spec.num_accepted}/{spec.num_drafted}), "
+                     f"mean accepted length {spec.mean_accepted_length:.2f}")
+        if self.config.log_prompts:
+            line += f", prompt {json.dumps([t for _, t in job.prompts])[:500]}"
+        logger.info(line)
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    """Returns when the client has closed the connection (the body was already read, so the
+    next ASGI message can only be the disconnect)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), allow_nan=False)}\n\n"

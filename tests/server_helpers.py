@@ -1,0 +1,69 @@
+"""A real specserve server on a free loopback port, in a thread of the test process."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from specserve.llm import LLM
+from specserve.server.launcher import _bind, build_app_for
+from specserve.server.serving import ServerConfig
+
+
+class RunningServer:
+    """`with RunningServer(llm, ...) as s:` serves `llm`'s engine at `s.url` until the block ends."""
+
+    def __init__(self, llm: LLM, name: str = "tiny", api_key: str | None = None, max_waiting: int | None = None,
+                 max_body_bytes: int = 2 << 20):
+        self.config = ServerConfig(served_model_names=(name,), max_model_len=llm.engine_config.max_model_len,
+                                   api_key=api_key, max_body_bytes=max_body_bytes)
+        self.app = build_app_for(llm, self.config, max_waiting)
+        self._sock = _bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+                                                    timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+
+    def __enter__(self) -> "RunningServer":
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)
+
+    def samples(self):
+        """(name, labels, value) of every /metrics sample."""
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)$", line)
+            if m and not line.startswith("#"):
+                yield m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")), float(m.group(3))
+
+    def metrics(self) -> dict[str, float]:
+        """The /metrics samples by name, summed over label sets."""
+        out: dict[str, float] = {}
+        for name, _, value in self.samples():
+            out[name] = out.get(name, 0.0) + value
+        return out
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One metric summed over the samples carrying `labels` (0 when absent)."""
+        return sum(v for n, have, v in self.samples() if n == name and all(have.get(k) == x for k, x in labels.items()))
+
+    def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
+        """Metrics once the engine holds no request (aborts land at the next step boundary)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m.get("specserve_num_requests_in_engine", 1) == 0 or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)

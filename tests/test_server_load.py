@@ -1,0 +1,118 @@
+"""A bounded load test: 64 concurrent streams (a quarter of the clients hang up midway, a few
+non-streaming clients time out) on a KV pool small enough to force preemption. Afterwards every
+request completed or was aborted, no KV block is left referenced, and the server still answers."""
+
+import asyncio
+import json
+import random
+
+import httpx
+import pytest
+
+from specserve.llm import LLM
+from tests.server_helpers import RunningServer
+
+NUM_STREAMS = 64
+NUM_TIMEOUTS = 4
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=16, max_model_len=256, num_kv_blocks=64, block_size=8)
+    with RunningServer(llm, max_waiting=256) as s:
+        s.llm = llm
+        yield s
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, i: int, hang_up_after: int | None) -> tuple[str, int]:
+    """-> (how it ended: 'length' | 'hung_up', content chunks read)."""
+    rng = random.Random(i)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": " ".join(f"t{rng.randrange(2, 64)}" for _ in range(rng.randrange(3, 40)))}],
+            "max_tokens": rng.randrange(20, 120), "temperature": rng.choice([0, 0.8]), "seed": i, "stream": True,
+            "ignore_eos": True}
+    chunks = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line:
+                continue
+            if line == "data: [DONE]":
+                return "done", chunks
+            event = json.loads(line.removeprefix("data: "))
+            assert "error" not in event, event
+            chunks += 1
+            if event["choices"][0]["finish_reason"] is not None:
+                assert event["choices"][0]["finish_reason"] == "length"
+            if hang_up_after is not None and chunks >= hang_up_after:
+                return "hung_up", chunks  # leaving the block closes the connection mid-stream
+    raise AssertionError("the stream ended without [DONE]")
+
+
+async def time_out_one(url: str) -> str:
+    body = {"prompt": "t5 t6 t7", "max_tokens": 250, "ignore_eos": True}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=0.05)) as client:
+        try:
+            await client.post(f"{url}/v1/completions", json=body)
+        except httpx.ReadTimeout:
+            return "timed_out"
+    return "done"
+
+
+async def load(url: str) -> list[str]:
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=NUM_STREAMS + 8)) as client:
+        jobs = [stream_one(client, url, i, hang_up_after=3 if i % 4 == 0 else None) for i in range(NUM_STREAMS)]
+        jobs += [time_out_one(url) for _ in range(NUM_TIMEOUTS)]
+        results = await asyncio.gather(*jobs)
+    return [r if isinstance(r, str) else r[0] for r in results]
+
+
+def test_64_concurrent_streams_with_hang_ups_leak_nothing(server):
+    before = server.metrics().get("specserve_requests_total", 0)
+    ends = asyncio.run(load(server.url))
+    hung_up = ends.count("hung_up") + ends.count("timed_out")
+    assert ends.count("done") + hung_up == NUM_STREAMS + NUM_TIMEOUTS
+    assert ends.count("hung_up") == NUM_STREAMS // 4
+
+    m = server.wait_idle()
+    assert m["specserve_num_requests_in_engine"] == 0
+    assert m["specserve_num_requests_running"] == 0 and m["specserve_num_requests_waiting"] == 0
+    assert m["specserve_kv_blocks_used"] == 0
+    # Every request ended exactly once: the ones that ran to the end by length, the others
+    # by abort (a client that hung up just as its request finished is counted as length).
+    total = m["specserve_requests_total"] - before
+    assert total == NUM_STREAMS + NUM_TIMEOUTS
+    aborted = server.metric("specserve_requests_total", finish_reason="abort")
+    assert 1 <= aborted <= hung_up
+    assert server.metrics()["specserve_num_preemptions"] > 0  # the small pool really was contended
+
+    pool = server.llm.engine.scheduler.pool  # the engine thread is idle: safe to inspect
+    pool.check_invariants()
+    assert pool.num_available_blocks == pool.num_blocks and not server.llm.engine.requests
+
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "t5", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
+    from specserve.cli import main
+
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text("\n".join(json.dumps({"turns": [f"t{i} t{i + 1} t{i + 2}"]}) for i in range(2, 12)))
+    out_json = tmp_path / "load.json"
+    code = main(["bench-serve", "--url", server.url, "--concurrency", "4", "--num-requests", "8",
+                 "--workload", str(workload), "--max-tokens", "12", "--json", str(out_json)])
+    assert code == 0
+    figures = json.loads(out_json.read_text())
+    assert figures["num_requests"] == 8 and figures["num_failed"] == 0
+    assert figures["requests_per_s"] > 0 and figures["output_tokens_per_s"] > 0
+    assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
+    assert 0 < figures["tpot_p50_ms"] <= figures["tpot_p99_ms"]
+    assert "req/s" in capsys.readouterr().out
+
+
+def test_bench_serve_names_a_dead_url(capsys):
+    from specserve.cli import main
+
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
+    assert "no OpenAI-compatible server" in capsys.readouterr().err
