@@ -1,0 +1,100 @@
+"""The engine thread behind the server, without HTTP: outputs stream through asyncio, leaving
+early aborts, refusals surface where the request was made, capacity is enforced; and the
+log probabilities the server reports are the same with speculation as without."""
+
+import asyncio
+
+import pytest
+
+from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from specserve.errors import PromptError
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(tiny):
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_num_seqs=4, max_model_len=128)
+    eng = AsyncEngine(llm.engine)
+    eng.start()
+    yield llm, eng
+    eng.shutdown()
+
+
+def test_streamed_outputs_equal_offline(engine, tiny):
+    llm, eng = engine
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 8, 7], [3] * 20]
+    want = [o.outputs[0].token_ids for o in LLM(loaded=tiny["loaded"], max_num_seqs=1, max_model_len=128)
+            .generate(prompts, GREEDY, use_tqdm=False)]
+
+    async def run():
+        async def one(i, p):
+            outs = [o async for o in eng.generate(f"r{i}", p, GREEDY)]
+            assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+            assert "".join(o.new_text for o in outs) == outs[-1].outputs[0].text
+            return outs[-1].outputs[0].token_ids
+        return await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+
+    assert asyncio.run(run()) == want
+    assert not llm.engine.requests
+
+
+def test_leaving_early_aborts_and_frees_blocks(engine):
+    llm, eng = engine
+    finished = []
+    eng.on_finish = finished.append
+
+    async def run():
+        async for out in eng.generate("early", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True)):
+            break  # the client went away after its first output
+        while eng.snapshot.num_requests:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert [o.outputs[0].finish_reason for o in finished] == ["abort"]
+    pool = llm.engine.scheduler.pool
+    assert pool.num_available_blocks == pool.num_blocks and not llm.engine.requests
+
+
+def test_refusal_surfaces_in_the_caller(engine):
+    _, eng = engine
+
+    async def run():
+        return [o async for o in eng.generate("long", list(range(2, 62)) * 3, GREEDY)]
+
+    with pytest.raises(PromptError, match="context"):
+        asyncio.run(run())
+
+
+def test_capacity_counts_running_plus_waiting(tiny):
+    llm = LLM(loaded=tiny["loaded"], max_num_seqs=2, max_model_len=128)
+    eng = AsyncEngine(llm.engine, max_waiting=1)  # not started: every submission stays pending
+
+    async def run():
+        for i in range(3):
+            eng.submit(f"r{i}", [5, 6], GREEDY)
+        with pytest.raises(QueueFullError, match="max-waiting"):
+            eng.submit("r3", [5, 6], GREEDY)
+        eng.stop_accepting()
+        with pytest.raises(EngineStoppedError):
+            eng.submit("r4", [5, 6], GREEDY)
+
+    asyncio.run(run())
+
+
+def test_logprobs_are_the_same_with_and_without_speculation(tiny):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
+    prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    plain = LLM(loaded=tiny["loaded"], max_model_len=128).generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    spec = LLM(loaded=tiny["loaded"], max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
+               ).generate(prompt, params, use_tqdm=False)[0]
+    out = spec.outputs[0]
+    assert spec.spec.num_accepted > 0  # drafts were verified, so rows past the first were used
+    assert out.token_ids == plain.token_ids and len(out.logprobs) == 24
+    for a, b in zip(out.logprobs, plain.logprobs):
+        assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 3
+        assert a.top[0][0] == a.token_id  # greedy picks the most likely token
