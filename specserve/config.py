@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from specserve.errors import InvalidParameterError
-from specserve.spec.ngram import check_lookup_params
+from specserve.spec.ngram import check_lookup_params, check_num_branches
 
 SPEC_METHODS = ("ngram", "draft_model")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
@@ -21,6 +21,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model for method "draft_model"
+    # n-gram: continuations of several earlier occurrences drafted as the branches of one token
+    # tree, verified in one pass (1: a single chain). num_speculative_tokens is then its depth.
+    num_branches: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -30,6 +33,9 @@ class SpeculativeConfig:
             raise InvalidParameterError("num_speculative_tokens", k, f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
         if self.method == "ngram":
             check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
+        check_num_branches(self.num_branches)
+        if self.num_branches > 1 and self.method != "ngram":
+            raise InvalidParameterError("num_branches", self.num_branches, "applies to method 'ngram' only (1 otherwise)")
         if self.method == "draft_model" and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model, "method 'draft_model' needs the draft model's path")
 

@@ -85,12 +85,14 @@ def test_capacity_counts_running_plus_waiting(tiny):
     asyncio.run(run())
 
 
-def test_logprobs_are_the_same_with_and_without_speculation(tiny):
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 4},
+                                  {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 4}],
+                         ids=["chain", "tree"])
+def test_logprobs_are_the_same_with_and_without_speculation(tiny, spec):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     prompt = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
     plain = LLM(loaded=tiny["loaded"], max_model_len=128).generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    spec = LLM(loaded=tiny["loaded"], max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
-               ).generate(prompt, params, use_tqdm=False)[0]
+    spec = LLM(loaded=tiny["loaded"], max_model_len=128, speculative_config=spec).generate(prompt, params, use_tqdm=False)[0]
     out = spec.outputs[0]
     assert spec.spec.num_accepted > 0  # drafts were verified, so rows past the first were used
     assert out.token_ids == plain.token_ids and len(out.logprobs) == 24

@@ -33,7 +33,10 @@ class Request:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
-    num_speculative_tokens: int = 0  # 0: plain decoding for this request
+    num_speculative_tokens: int = 0  # 0: plain decoding for this request; a tree proposer's depth
+    # Draft slots a step reserves when the proposer drafts token trees: its node budget
+    # (Proposer.num_draft_nodes). 0 for chains, which reserve num_speculative_tokens.
+    num_draft_nodes: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -53,11 +56,20 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def max_drafts(self, max_model_len: int) -> int:
-        """Drafts worth verifying now: never past what the request may still emit or past the
-        context (the last emitted token needs no draft, so at most remaining - 1 are usable)."""
+    def max_depth(self, max_model_len: int) -> int:
+        """Drafts worth verifying on one path now: never past what the request may still emit
+        or past the context (the last emitted token needs no draft, so at most remaining - 1)."""
         room = min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens) - 1
         return max(0, min(self.num_speculative_tokens, room))
+
+    def max_drafts(self, max_model_len: int) -> int:
+        """Draft slots to reserve now: max_depth for a chain; a tree adds its other branches'
+        nodes, within the context (every slot of the pass stays below max_model_len)."""
+        depth = self.max_depth(max_model_len)
+        if depth == 0:
+            return 0
+        branches = max(0, self.num_draft_nodes - self.num_speculative_tokens)
+        return depth + min(branches, max_model_len - self.num_tokens - depth)
 
     @property
     def finished(self) -> bool:

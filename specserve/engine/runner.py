@@ -20,6 +20,18 @@ class ForwardBatch:
     start_positions: list[int]  # each request's num_computed_tokens
     token_ids: list[list[int]]  # tokens to compute, one list per request (prompt chunk, or last token + drafts)
     all_logits: bool  # True: logits at every position [B, T, V]; False: at each request's last token [B, 1, V]
+    # Per request, a [T_i, T_i] bool token-tree mask (paged cache only; see
+    # PagedKVCache.metadata) or None for causal tokens; None: every request causal.
+    tree_masks: list[torch.Tensor | None] | None = None
+    keep_hidden: bool = False  # also return the final hidden states of every computed token
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # float32 [B, T, V] (all_logits) or [B, 1, V]
+    # Per request [T_i, hidden]: the final hidden states (after the last norm, the LM head's
+    # input) of the tokens it computed, in order; None unless ForwardBatch.keep_hidden.
+    hidden: list[torch.Tensor] | None
 
 
 class ModelRunner:
@@ -43,33 +55,48 @@ class ModelRunner:
         return cls(model, PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                        model.dtype, model.device))
 
-    @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """-> float32 logits [B, T, V] (all_logits) or [B, 1, V] (last token of each request)."""
+        return self.forward(batch).logits
+
+    def execute_last(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits at each request's last token [B, 1, V], for a batch of ragged lengths."""
+        return self.forward_last(batch).logits
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
         lens = [len(t) for t in batch.token_ids]
         t = max(lens)
         # Padded in Python, so that the step's ids cost one tensor, not one per request.
         ids = torch.tensor([list(toks) + [0] * (t - len(toks)) for toks in batch.token_ids], dtype=torch.long)  # [B, T]
-        meta = self.cache.metadata(batch.locations, batch.start_positions, lens)
+        if batch.tree_masks is None:
+            meta = self.cache.metadata(batch.locations, batch.start_positions, lens)
+        else:
+            meta = self.cache.metadata(batch.locations, batch.start_positions, lens, batch.tree_masks)
         hidden = self.model(ids.to(self.device), meta, self.cache)  # [B, T, hidden]
+        kept = [hidden[i, :n] for i, n in enumerate(lens)] if batch.keep_hidden else None
         if not batch.all_logits:
             last = torch.tensor([n - 1 for n in lens], device=self.device)
             hidden = hidden[torch.arange(len(lens), device=self.device), last].unsqueeze(1)  # [B, 1, hidden]
-        return self.model.compute_logits(hidden)
+        return ForwardOutput(self.model.compute_logits(hidden), kept)
 
-    def execute_last(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward_last(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits at each request's last token [B, 1, V], for a batch of ragged lengths (prompt
         chunks): split into passes whose padding stays small, results in batch order."""
         groups = _padding_groups([len(t) for t in batch.token_ids])
         if len(groups) == 1:
-            return self.execute(batch)
-        out: list[torch.Tensor | None] = [None] * len(batch.token_ids)
+            return self.forward(batch)
+        logits: list[torch.Tensor | None] = [None] * len(batch.token_ids)
+        hidden: list[torch.Tensor | None] = [None] * len(batch.token_ids)
         for group in groups:
             sub = ForwardBatch([batch.locations[i] for i in group], [batch.start_positions[i] for i in group],
-                               [batch.token_ids[i] for i in group], all_logits=False)
-            for i, row in zip(group, self.execute(sub)):  # [G, 1, V]
-                out[i] = row
-        return torch.stack(out)
+                               [batch.token_ids[i] for i in group], all_logits=False, keep_hidden=batch.keep_hidden)
+            out = self.forward(sub)  # logits [G, 1, V]
+            for j, i in enumerate(group):
+                logits[i] = out.logits[j]
+                if out.hidden is not None:
+                    hidden[i] = out.hidden[j]
+        return ForwardOutput(torch.stack(logits), hidden if batch.keep_hidden else None)
 
     def synchronize(self) -> None:
         """Wait for queued device work, so that host timers measure it."""

@@ -31,7 +31,7 @@ from specserve.engine.request import Request, Status
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
-    num_draft: int = 0  # drafts it may propose and verify this step (decode only), slots reserved
+    num_draft: int = 0  # drafts (chain tokens or tree nodes) it may verify this step (decode only), slots reserved
 
     @property
     def samples(self) -> bool:

@@ -7,7 +7,10 @@ table order, so the model sees the same [B, Hkv, S, D] keys as with the dense ca
 
 Rollback is the dense cache's: lowering a request's computed length (and freeing tail blocks)
 is all it takes, because a query at position p only sees keys at positions <= p of its own
-request, all of which were (re)written by then.
+request, all of which were (re)written by then. A token tree (several draft branches in one
+pass) writes its nodes to the request's next slots in node order; after verification
+`move` copies the accepted path's entries down to the slots right after the root, where a
+chain would have put them, and the rest is rolled back like rejected chain drafts.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class PagedAttentionMetadata:
 
     `positions` means what it means in AttentionMetadata (the model's RoPE reads it)."""
 
-    positions: torch.Tensor  # [B, T] int64: position of each query token (0 for padding)
+    positions: torch.Tensor  # [B, T] int64: position of each query token (0 for padding; a tree node's: start + depth)
     # [B * T] int64: flat slot (block * block_size + offset) each token's k/v goes to; padding
     # goes to the trash block.
     write_index: torch.Tensor
@@ -89,11 +92,16 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def metadata(self, block_tables: list[list[int]], start_positions: list[int],
-                 query_lens: list[int]) -> PagedAttentionMetadata:
+    def metadata(self, block_tables: list[list[int]], start_positions: list[int], query_lens: list[int],
+                 tree_masks: list[torch.Tensor | None] | None = None) -> PagedAttentionMetadata:
         """Metadata for requests that compute `query_lens[i]` tokens starting at position
         `start_positions[i]` (the request's computed length), request i's positions living in
-        the blocks `block_tables[i]` (which may hold more blocks than this step needs)."""
+        the blocks `block_tables[i]` (which may hold more blocks than this step needs).
+
+        `tree_masks[i]`, when given, makes request i's tokens a flattened token tree (see
+        specserve.spec.tree): a [q, q] bool mask, token j seeing token m iff mask[j, m]. Token j
+        still writes slot start + j, but sits at position start + depth(j) (row sum - 1) and sees
+        the context before start plus the tokens its row allows. None: causal, as a chain."""
         if not (len(block_tables) == len(start_positions) == len(query_lens) >= 1):
             raise ValueError("block_tables, start_positions and query_lens need one entry per request, at least one")
         if min(query_lens) < 1:
@@ -116,14 +124,23 @@ class PagedKVCache:
         offs = torch.arange(t)
         start = torch.tensor(start_positions)[:, None]
         valid = offs[None, :] < torch.tensor(query_lens)[:, None]  # [B, T]
-        positions = torch.where(valid, start + offs[None, :], 0)  # [B, T]
-        blocks = tables.gather(1, positions // bs)  # [B, T]
-        write = torch.where(valid, blocks * bs + positions % bs, self.trash_block * bs)
+        slots = torch.where(valid, start + offs[None, :], 0)  # [B, T] where each token's k/v goes
+        blocks = tables.gather(1, slots // bs)  # [B, T]
+        write = torch.where(valid, blocks * bs + slots % bs, self.trash_block * bs)
+        trees = [(i, m) for i, m in enumerate(tree_masks or []) if m is not None]
+        positions = slots.clone() if trees else slots  # [B, T] RoPE positions
+        for i, m in trees:
+            if m.shape != (query_lens[i], query_lens[i]):
+                raise ValueError(f"request {i}'s tree mask is {tuple(m.shape)}, not [{query_lens[i]}, {query_lens[i]}]")
+            positions[i, : query_lens[i]] = start_positions[i] + m.sum(-1) - 1
 
         mask = None
         if bsz > 1 or t > 1:
             keys = torch.arange(context_len)
-            visible = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+            visible = (keys[None, None, :] <= slots[:, :, None])[:, None]  # [B, 1, T, S]: causal by slot
+            for i, m in trees:  # the tree's own slots: ancestors and self only
+                s, q = start_positions[i], query_lens[i]
+                visible[i, 0, :q, s : s + q] = m
             mask = torch.zeros(visible.shape, dtype=self.k.dtype).masked_fill_(~visible, float("-inf")).to(device)
         first_block = None
         if bsz == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + n)):
@@ -136,6 +153,21 @@ class PagedKVCache:
             mask=mask,
             first_block=first_block,
         )
+
+    def move(self, block_tables: list[list[int]], src_positions: list[list[int]],
+             dst_positions: list[list[int]]) -> None:
+        """Copy the keys and values at positions src_positions[i] of request i (whose blocks
+        are block_tables[i]) to its positions dst_positions[i], in every layer (tree
+        compaction). All sources are read before any destination is written, so a position may
+        be a source of one entry and the destination of another."""
+        bs, src, dst = self.block_size, [], []
+        for table, s, d in zip(block_tables, src_positions, dst_positions):
+            src += [table[p // bs] * bs + p % bs for p in s]
+            dst += [table[p // bs] * bs + p % bs for p in d]
+        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
+        for pool in (self.k, self.v):
+            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, slots, Hkv, D]
+            flat[:, d] = flat[:, s]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: PagedAttentionMetadata) -> torch.Tensor:

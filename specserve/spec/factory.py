@@ -12,7 +12,8 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         return None
     if spec.method == "ngram":
         from specserve.spec.ngram import NgramProposer
-        return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max)
+        return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
+                             num_branches=spec.num_branches)
     from specserve.spec.draft_model import DraftModelProposer
     draft = load_model(spec.model, dtype=target.model.dtype, device=target.model.device)
     return DraftModelProposer(draft, target, engine)

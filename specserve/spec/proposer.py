@@ -1,9 +1,33 @@
 """The interface every drafting method implements, and the dataclasses that cross it.
 
 One speculative step reads: propose -> verify -> accept -> commit. The engine hands a proposer
-one `SpecRequest` per speculating request, gets back a `DraftProposal` for the whole batch, has
-the target score `1 + num_draft` positions per row, and reports what verification kept in a
-`VerifyFeedback`, which adaptive proposers use to tune themselves.
+one `SpecRequest` per speculating request and gets back either a `DraftProposal` (one chain of
+drafts per request) or a `DraftTreeProposal` (one `DraftTree` per request, see spec/tree.py);
+the target scores the last committed token plus every draft in one pass, and the engine reports
+what verification kept in a `VerifyFeedback`, which adaptive proposers use to tune themselves.
+
+The contract, per request, in the order the engine keeps:
+  - `propose` sees only committed tokens. A chain has at most `num_speculative_tokens` drafts; a
+    tree at most `max_nodes` nodes and depth `num_speculative_tokens`. A proposer that returns
+    trees declares its node budget per step through `num_draft_nodes`, so that the scheduler
+    reserves that many KV slots.
+  - Hidden states, only for proposers with `needs_hidden_states = True` (EAGLE, Medusa):
+    `observe_hidden(request_id, start_position, hidden)` with hidden [T, H] (model dtype, on the
+    target's device; may be views of a step's buffer) = the target's final hidden states
+    (after its last norm: the LM head's input) at token positions start_position ..
+    start_position + T - 1 of the request. It is called
+      (a) for every prompt chunk the target computes, whole chunk, in order: with a
+          prefix-cache hit the first call starts after 0 (for a preempted request that comes
+          back, possibly past its original prompt: its generated tokens are prompt then);
+      (b) after every decode/verify step: the root (the last committed token, at position
+          start = the request's computed length) plus the accepted path, a + 1 rows at positions
+          start .. start + a, in path order; always before that step's `observe(feedback)`.
+    Positions reported are exactly those the target's cache holds as committed (except when a
+    stop condition ends the request inside the accepted path; it is removed right after). A
+    request may reach `propose` before any hidden state (its whole prompt but the last token
+    came from the prefix cache, so its first computation is a decode step): draft nothing then.
+  - `remove_request` when a request finishes, is aborted or is preempted; a preempted request
+    comes back later with a fresh prefill (and fresh `observe_hidden` calls from its start).
 """
 
 from __future__ import annotations
@@ -15,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.sampling_params import SamplingParams
+from specserve.spec.tree import DraftTree
 
 
 @dataclass(slots=True)
@@ -26,6 +51,13 @@ class SpecRequest:
     num_speculative_tokens: int  # k for this request this step, >= 0 (may differ per request)
     sampling: SamplingParams  # the request's own parameters: a sampled draft processes q with them
     generator: torch.Generator | None  # the request's seeded generator (sampled draft models use it)
+    # Tree proposers: the most nodes a tree may have this step (the KV slots reserved for it,
+    # >= num_speculative_tokens); None means num_speculative_tokens. Chain proposers ignore it.
+    max_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_nodes is None:
+            self.max_nodes = self.num_speculative_tokens
 
 
 @dataclass(slots=True)
@@ -84,31 +116,53 @@ class DraftProposal:
 
 
 @dataclass(slots=True)
+class DraftTreeProposal:
+    """Token trees for a batch, trees[b] belonging to the b-th request handed to `propose`
+    (DraftTree.empty() for a request without drafts)."""
+
+    trees: list[DraftTree]
+
+
+@dataclass(slots=True)
 class VerifyFeedback:
     """What verification kept, per speculating request, after one step."""
 
     request_ids: list[str]
-    num_draft: list[int]  # drafts proposed
-    num_accepted: list[int]  # of those, accepted by the verifier
+    num_draft: list[int]  # drafts proposed (a tree's node count)
+    num_accepted: list[int]  # of those, accepted by the verifier (the accepted path's length)
     committed_token_ids: list[list[int]]  # tokens committed this step: accepted, then recovered or bonus
+    # Indices of the accepted drafts in proposal order: a chain's 0..a-1, a tree's accepted path
+    # of node indices (root's child first).
+    accepted_nodes: list[list[int]]
 
 
 class Proposer(ABC):
-    """A drafting method: `propose(batch) -> DraftProposal`, then `observe(feedback)` after
-    verification. `add_request` / `remove_request` bracket a request's life so that methods
-    with per-request state (indexes, draft KV caches) can set it up and free it."""
+    """A drafting method: `propose(batch) -> DraftProposal | DraftTreeProposal`, then
+    `observe(feedback)` after verification. `add_request` / `remove_request` bracket a request's
+    life so that methods with per-request state (indexes, draft KV caches) can set it up and
+    free it. See the module note for the whole contract."""
 
     name: str
+    needs_hidden_states: bool = False  # True: the engine calls observe_hidden (module note)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         """A request starts speculating. Stateless proposers need nothing."""
 
     def remove_request(self, request_id: str) -> None:
-        """A request finished or was aborted: drop whatever is held for it."""
+        """A request finished, was aborted or preempted: drop whatever is held for it."""
+
+    def num_draft_nodes(self, num_speculative_tokens: int) -> int:
+        """Draft slots one step of a request with this k reserves: k for chains; a tree
+        proposer returns its node budget (at least k, the tree's depth)."""
+        return num_speculative_tokens
 
     @abstractmethod
-    def propose(self, batch: list[SpecRequest]) -> DraftProposal:
-        """Drafts for each request of `batch`, in order: num_draft[b] <= batch[b].num_speculative_tokens."""
+    def propose(self, batch: list[SpecRequest]) -> DraftProposal | DraftTreeProposal:
+        """Drafts for each request of `batch`, in order: num_draft[b] <= batch[b].num_speculative_tokens,
+        or trees of depth <= num_speculative_tokens and at most max_nodes nodes."""
+
+    def observe_hidden(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states [T, H] at positions start_position.. (module note)."""
 
     def observe(self, feedback: VerifyFeedback) -> None:
         """Verification results of the last step; adaptive methods tune themselves on them."""
