@@ -127,6 +127,16 @@ def test_data_cache_resumes_shard_by_shard(eagle_runs, tmp_path):
     assert [p.name for p in after if p.stat().st_mtime_ns != mtimes[p.name]] == [shards[2].name]
 
 
+def test_runs_with_the_same_data_settings_share_a_cache(eagle_runs, tmp_path):
+    cache = eagle_runs["a"] / "cache"
+    shards = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
+    cfg = dict(eagle_runs["cfg"], method="medusa", epochs=1, depth=None, lr=None, cache=str(cache))
+    train_draft(TrainDraftConfig(**cfg, out=str(tmp_path / "m")), log=lambda m: None)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")} == shards
+    with pytest.raises(InvalidParameterError, match="max_new_tokens"):
+        train_draft(TrainDraftConfig(**dict(cfg, max_new_tokens=16), out=str(tmp_path / "n")), log=lambda m: None)
+
+
 def test_medusa_heads_beat_untrained_and_chance(bigram, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", seed=1)
     out = tmp_path / "m"

@@ -23,6 +23,9 @@ def add_train_parser(sub) -> None:
     t.add_argument("--out", required=True, help="output folder (model.safetensors, config.json, data cache, checkpoints)")
     t.add_argument("--prompts", default=None,
                    help='JSONL of {"prompt": ...} or {"messages": [...]} rows; default: the target writes user turns')
+    t.add_argument("--cache", default=None,
+                   help="data cache folder (default OUT/cache); runs with the same data settings (target, prompts, "
+                        "--num-prompts, --max-new-tokens, --seed) share it, e.g. an EAGLE run and a Medusa run")
     t.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts to answer")
     t.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
     e, m = METHOD_DEFAULTS["eagle"], METHOD_DEFAULTS["medusa"]
@@ -53,10 +56,10 @@ def run_train(args, argv: list[str]) -> int:
 
     cfg = TrainDraftConfig(
         method=args.method, target=args.target, out=args.out, prompts=args.prompts, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, epochs=args.epochs, lr=args.lr, seed=args.seed, depth=args.depth,
-        eval_depth=args.eval_depth, draft_vocab=args.draft_vocab, tokens_per_batch=args.batch_tokens,
-        held_out=args.held_out,
-        tree_nodes=args.tree_nodes, save_dtype=args.save_dtype, device=args.device, resume=args.resume,
+        max_new_tokens=args.max_new_tokens, cache=args.cache, epochs=args.epochs, lr=args.lr, seed=args.seed,
+        depth=args.depth, eval_depth=args.eval_depth, draft_vocab=args.draft_vocab, tokens_per_batch=args.batch_tokens,
+        held_out=args.held_out, tree_nodes=args.tree_nodes, save_dtype=args.save_dtype, device=args.device,
+        resume=args.resume,
         command=shlex.join(["specserve", *argv]))
     if args.threads is not None:
         if args.threads < 1:

@@ -35,6 +35,7 @@ class TrainDraftConfig:
     save_dtype: str = "bfloat16"
     device: str = "cpu"
     prompt_max_tokens: int = 64
+    cache: str | None = None  # the data cache folder; None: out/cache
     chunk_size: int = 32
     resume: bool = False
     command: str = ""  # as typed, recorded in config.json
@@ -67,6 +68,6 @@ class TrainDraftConfig:
     def identity(self) -> dict:
         """The settings that shape data and training: a --resume must not change them."""
         d = dataclasses.asdict(self)
-        for k in ("resume", "command", "epochs", "out", "device"):
+        for k in ("resume", "command", "epochs", "out", "device", "cache"):
             d.pop(k)
         return d

@@ -4,6 +4,7 @@ prompts each, so an interrupted run resumes at the first missing shard."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -14,11 +15,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from specserve.errors import SpecserveError
+from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.llm import LLM
 from specserve.model.attention import DenseKVCache
 from specserve.model.loader import LoadedModel
 from specserve.sampling_params import SamplingParams
+from specserve.spec.heads import TargetIdentity
 from specserve.train.prompts import write_user_turns
 
 # Hidden states are stored in float16: half the disk and memory of float32, 11 bits of
@@ -28,8 +30,12 @@ STORE_DTYPE = torch.float16
 MAX_PROMPT_TOKENS = 1024
 
 
+DATA_FILE = "data.json"  # what a cache holds, so that runs with the same data settings share it
+
+
 @dataclass(frozen=True, slots=True)
 class DataPlan:
+    prompts: str | None  # the JSONL the prompts come from; None: user turns the target writes
     num_prompts: int  # prompts to answer (self-written ones that ramble are dropped, so fewer may remain)
     max_new_tokens: int  # answer length cap
     seed: int
@@ -63,6 +69,7 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
     conversations None: the target writes the user turns itself. Prompts longer than
     MAX_PROMPT_TOKENS are left out."""
     cache.mkdir(parents=True, exist_ok=True)
+    _claim(cache, plan, target)
     total = plan.num_prompts if conversations is None else min(plan.num_prompts, len(conversations))
     chunks = range(-(-total // plan.chunk_size))
     paths = [shard_path(cache, c) for c in chunks]
@@ -86,6 +93,19 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
             _record_chunk(llm, target, convs, plan, max_model_len, paths[c])
             bar.set_postfix_str(f"{paths[c].name}")
     return paths
+
+
+def _claim(cache: Path, plan: DataPlan, target: LoadedModel) -> None:
+    """Write the cache's data.json, or check that an existing one describes the same data."""
+    want = {"target": target.name, "fingerprint": TargetIdentity.of(target).fingerprint, **dataclasses.asdict(plan)}
+    path = cache / DATA_FILE
+    if path.is_file():
+        have = json.loads(path.read_text())
+        changed = sorted(k for k in want if have.get(k) != want[k])
+        if changed:
+            raise InvalidParameterError("cache", str(cache), f"holds data made with other settings ({', '.join(changed)})")
+    else:
+        path.write_text(json.dumps(want, indent=2) + "\n")
 
 
 def _record_chunk(llm: LLM, target: LoadedModel, convs: list[list[dict]], plan: DataPlan, max_model_len: int,

@@ -31,8 +31,10 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> tuple[Path, HeldOutReport]:
     t0 = time.perf_counter()
     conversations = read_prompt_file(cfg.prompts) if cfg.prompts else None
     target = load_model(cfg.target, dtype="float32", device=cfg.device)
-    plan = DataPlan(cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size)
-    data = load_data(build_data(target, plan, conversations, out / "cache"))
+    prompts = None if cfg.prompts is None else str(Path(cfg.prompts).expanduser().resolve())
+    plan = DataPlan(prompts, cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size)
+    cache = Path(cfg.cache).expanduser() if cfg.cache else out / "cache"
+    data = load_data(build_data(target, plan, conversations, cache))
     t_data = time.perf_counter() - t0
     train_ids, held_ids = split(len(data), cfg.held_out, cfg.seed)
     log(f"data: {len(data)} sequences ({data.num_answer_tokens(train_ids)} answer tokens to train on, "
