@@ -60,9 +60,11 @@ def test_greedy_eagle_equals_plain(one_layer, max_num_seqs, depth, nodes, topk):
     assert stats.mean_accepted_length > 0.6 * (depth + 1)
 
 
-def test_untrained_eagle_is_lossless_on_a_two_layer_target(tiny, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_untrained_eagle_is_lossless_on_a_two_layer_target(tiny, tmp_path, dtype):
+    """Drafting in bfloat16 (the saved dtype) next to a float32 target changes candidates only."""
     torch.manual_seed(0)
-    save_drafter(tmp_path / "d", new_drafter(tiny["loaded"], "eagle", torch.arange(2, 50)))
+    save_drafter(tmp_path / "d", new_drafter(tiny["loaded"], "eagle", torch.arange(2, 50), dtype=dtype))
     prompts = ragged_prompts(5, seed=2)
     plain, _ = outputs(LLM(loaded=tiny["loaded"], max_num_seqs=1), prompts)
     for seqs in (1, 5):

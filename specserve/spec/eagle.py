@@ -63,7 +63,7 @@ class EagleProposer(Proposer):
         self.topk = min(topk, drafter.config.draft_vocab_size)
         model = target.model
         self.kv = EagleKV(drafter.config.layer_config(), num_kv_blocks(target, engine), engine.block_size,
-                          model.dtype, model.device)
+                          drafter.dtype, model.device)
 
     def num_draft_nodes(self, num_speculative_tokens: int) -> int:
         return max(num_speculative_tokens, self.max_nodes)
@@ -113,7 +113,7 @@ class EagleProposer(Proposer):
         device, h = self.kv.device, self.drafter.config.hidden_size
         width = max(len(r.next_tokens) for r in rows)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        features = torch.zeros(len(rows), width, h, dtype=rows[0].features.dtype, device=device)
+        features = torch.zeros(len(rows), width, h, dtype=self.drafter.dtype, device=device)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         slots = torch.full((len(rows), width), -1, dtype=torch.long)
         for b, r in enumerate(rows):
@@ -130,7 +130,7 @@ class EagleProposer(Proposer):
         visible = (keys >= first) & (keys <= upto)  # [B, C, S]
         meta = self.kv.metadata(self.kv.tables([r.request_id for r in rows], span), positions, slots, visible)
         d = self.drafter
-        g = d.heads(d.embed(tokens.to(device)), features, meta.positions, meta, self.kv.cache)  # [B, C, H]
+        g = d.heads(d.embed(tokens.to(device)).to(d.dtype), features, meta.positions, meta, self.kv.cache)  # [B, C, H]
         last = torch.tensor([len(r.next_tokens) - 1 for r in rows], device=device)
         return g[torch.arange(len(rows), device=device), last]
 
@@ -164,7 +164,8 @@ class EagleProposer(Proposer):
             positions = (last + level - 1)[:, None].expand(bsz, k)
             slots = last[:, None] + 1 + own[None, :]
             meta = self.kv.metadata(tables, positions, slots, visible)
-            g = d.heads(d.embed(d.vocab.ids[frontier_tok]), frontier_feat, meta.positions, meta, self.kv.cache)
+            g = d.heads(d.embed(d.vocab.ids[frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
+                        self.kv.cache)
             clp, ctok = torch.log_softmax(d.vocab(g), -1).topk(k, dim=-1)  # [B, K, K]
             score = (frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
             base = k + (level - 2) * k * k

@@ -52,7 +52,7 @@ class MedusaProposer(Proposer):
         if not rows:
             return DraftTreeProposal(trees)
         d = self.drafter
-        hidden = torch.stack([self.last[batch[i].request_id][1] for i in rows])  # [B, H]
+        hidden = torch.stack([self.last[batch[i].request_id][1] for i in rows]).to(d.dtype)  # [B, H]
         logits = d.vocab(d.heads(hidden))  # [B, K, Vd]
         ranked = d.vocab.ids[logits.topk(min(self.ranks, logits.shape[-1]), dim=-1).indices].tolist()  # [B, K, R]
         for b, i in enumerate(rows):

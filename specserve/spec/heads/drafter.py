@@ -27,6 +27,9 @@ class Drafter:
     heads: EagleHead | MedusaHeads  # the trained part, the only one saved
     vocab: DraftVocab  # the target's vocabulary projection at the draft vocabulary's rows
     embed: nn.Embedding  # the target's token embedding (EAGLE's token input)
+    # What the heads and vocabulary rows compute in: float32 for training (under autocast),
+    # the saved dtype for drafting. Inputs from the target are cast to it at the heads' door.
+    dtype: torch.dtype
 
 
 def vocab_projection_weight(target: LoadedModel) -> torch.Tensor:
@@ -68,11 +71,12 @@ def bind(config: DrafterConfig, heads: EagleHead | MedusaHeads, draft_ids: torch
     device = target.model.device
     ids = draft_ids.to(device)
     vocab = DraftVocab(ids, vocab_projection_weight(target)[ids]).to(device)
-    return Drafter(config, heads.to(device), vocab, target.model.embed_tokens)
+    return Drafter(config, heads.to(device), vocab, target.model.embed_tokens, torch.float32)
 
 
-def save_drafter(folder: Path, drafter: Drafter) -> None:
+def save_drafter(folder: str | Path, drafter: Drafter) -> None:
     """model.safetensors (heads in config.dtype, plus the draft vocabulary ids) and config.json."""
+    folder = Path(folder).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     dtype = SAVE_DTYPES[drafter.config.dtype]
     tensors = {_HEADS_PREFIX + k: v.detach().to("cpu", dtype).contiguous()
@@ -84,7 +88,7 @@ def save_drafter(folder: Path, drafter: Drafter) -> None:
 
 def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool = True) -> Drafter:
     """Load a trained drafter for `target` (refused if trained for another model). For
-    inference the heads take the target's dtype, are frozen and, on a CPU, prepacked."""
+    inference the heads run in their saved dtype, frozen and, on a CPU, prepacked."""
     folder = Path(folder).expanduser()
     if not (folder / WEIGHTS_FILE).is_file():
         raise InvalidParameterError("speculative_config.model", str(folder),
@@ -106,10 +110,14 @@ def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool
         raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config.json: {e}") from None
     drafter = bind(config, heads, draft_ids, target)
     if for_inference:
-        model = target.model
-        drafter.heads.to(model.dtype).eval().requires_grad_(False)
-        drafter.vocab.to(model.dtype)
-        if can_pack(model.device, model.dtype):
+        # Drafting reads every drafter weight once per pass of a few rows, so the time is the
+        # bytes moved: bfloat16 (the default save dtype) halves it. The output stays exact:
+        # only the candidates change, and the target verifies them.
+        dtype, device = SAVE_DTYPES[config.dtype], target.model.device
+        drafter.heads.to(dtype).eval().requires_grad_(False)
+        drafter.vocab.to(dtype)
+        drafter.dtype = dtype
+        if can_pack(device, dtype):
             pack_linears(drafter.heads)
             pack_linears(drafter.vocab)
     return drafter
