@@ -1,4 +1,4 @@
-"""specserve command line: generate | bench | serve | bench-serve."""
+"""specserve command line: generate | bench | serve | bench-serve | train-draft."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=["none", "ngram", "draft_model"], default="none", help="drafting method")
-    p.add_argument("--draft-model", default=None, help="draft model path for --speculative draft_model")
+    p.add_argument("--speculative", choices=["none", "ngram", "draft_model", "eagle", "medusa"], default="none",
+                   help="drafting method")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model path for draft_model; the `specserve train-draft` folder for eagle and medusa")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens drafted per step (k)")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
@@ -62,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     from specserve.bench.serve_load import add_bench_serve_parser
     add_bench_serve_parser(sub)
+    from specserve.train.cli import add_train_parser
+    add_train_parser(sub)
     return parser
 
 
@@ -79,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from specserve.server.launcher import run_serve
             return run_serve(args)
+        if args.command == "train-draft":
+            from specserve.train.cli import run_train
+            return run_train(args, sys.argv[1:] if argv is None else argv)
     except SpecserveError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 2

@@ -7,9 +7,14 @@ from dataclasses import dataclass, fields
 from specserve.errors import InvalidParameterError
 from specserve.spec.ngram import check_lookup_params, check_num_branches
 
-SPEC_METHODS = ("ngram", "draft_model")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
 MAX_SPECULATIVE_TOKENS = 32
+# Trained drafters (a `specserve train-draft` folder in `model`), which draft token trees.
+DRAFTER_METHODS = ("eagle", "medusa")
+MAX_DRAFT_NODES = 128  # tree nodes verified per step
+MAX_DRAFT_TOPK = 32
+DEFAULT_EAGLE_NODES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,10 +25,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
-    model: str | None = None  # the draft model for method "draft_model"
+    model: str | None = None  # the draft model for "draft_model"; the drafter folder for "eagle" and "medusa"
     # n-gram: continuations of several earlier occurrences drafted as the branches of one token
     # tree, verified in one pass (1: a single chain). num_speculative_tokens is then its depth.
     num_branches: int = 1
+    # eagle, medusa: draft-tree nodes verified per step (num_speculative_tokens is the tree's
+    # depth); None: eagle DEFAULT_EAGLE_NODES, medusa the tree chosen when it was trained.
+    num_draft_nodes: int | None = None
+    # eagle: children kept per expanded node, and nodes expanded per depth (EAGLE-2's top-k).
+    draft_topk: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -38,6 +48,14 @@ class SpeculativeConfig:
             raise InvalidParameterError("num_branches", self.num_branches, "applies to method 'ngram' only (1 otherwise)")
         if self.method == "draft_model" and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model, "method 'draft_model' needs the draft model's path")
+        if self.method in DRAFTER_METHODS and not self.model:
+            raise InvalidParameterError("speculative_config.model", self.model,
+                                        f"method {self.method!r} needs the folder `specserve train-draft` wrote")
+        n, topk = self.num_draft_nodes, self.draft_topk
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_NODES):
+            raise InvalidParameterError("num_draft_nodes", n, f"must be an integer in [1, {MAX_DRAFT_NODES}] or None")
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_DRAFT_TOPK:
+            raise InvalidParameterError("draft_topk", topk, f"must be an integer in [1, {MAX_DRAFT_TOPK}]")
 
     @classmethod
     def from_dict(cls, d: dict | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":

@@ -125,10 +125,14 @@ def test_measure_warms_up_then_interleaves_in_rotating_order():
 # ---- the command --------------------------------------------------------------------------------
 
 def test_parse_errors():
-    with pytest.raises(InvalidParameterError, match="none, ngram, draft_model:PATH"):
-        parse_methods("none,medusa")
-    with pytest.raises(InvalidParameterError, match="needs a path"):
-        parse_methods("draft_model")
+    with pytest.raises(InvalidParameterError, match="none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR"):
+        parse_methods("none,lookahead")
+    for name in ("draft_model", "eagle", "medusa"):
+        with pytest.raises(InvalidParameterError, match="needs a path"):
+            parse_methods(name)
+    with pytest.raises(InvalidParameterError, match="takes no path"):
+        parse_methods("ngram:x")
+    assert parse_methods("none,eagle:a,medusa:b") == [("none", None), ("eagle", "a"), ("medusa", "b")]
     with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
         parse_ks("2,x")
     with pytest.raises(InvalidParameterError, match="transformers, llama.cpp"):

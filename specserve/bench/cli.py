@@ -16,7 +16,8 @@ from dataclasses import replace
 from specserve.bench.runner import Config
 from specserve.errors import InvalidParameterError
 
-METHODS = ("none", "ngram", "draft_model")
+METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
+WITH_PATH = ("draft_model", "eagle", "medusa")  # methods named as METHOD:PATH
 PEERS = ("transformers", "llama.cpp")
 MAX_CONCURRENCY = 4096  # the engine's limit on max_num_seqs
 
@@ -31,7 +32,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--limit", type=int, default=None, help="first N prompts (after the category filters)")
     b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     b.add_argument("--categories", default=None, help="comma list of categories")
-    b.add_argument("--methods", default="none,ngram", help=f"comma list of {', '.join(METHODS[:2])}, draft_model:PATH")
+    b.add_argument("--methods", default="none,ngram",
+                   help="comma list of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR (DIR: a train-draft folder)")
     b.add_argument("--num-speculative-tokens", default="4", help="k, or a comma list to sweep (e.g. 2,4,6)")
     b.add_argument("--prompt-lookup-max", type=int, default=4)
     b.add_argument("--prompt-lookup-min", type=int, default=1)
@@ -49,18 +51,21 @@ def add_bench_parser(sub) -> None:
 
 
 def parse_methods(text: str) -> list[tuple[str, str | None]]:
-    """'none,ngram,draft_model:PATH' -> [(name, draft path or None)]."""
+    """'none,ngram,draft_model:PATH,eagle:DIR' -> [(name, draft path or None)]."""
+    allowed = "each must be one of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR"
     out = []
     for item in filter(None, (m.strip() for m in text.split(","))):
         name, _, path = item.partition(":")
         if name not in METHODS:
-            raise InvalidParameterError("methods", item, "each must be one of none, ngram, draft_model:PATH")
-        if name == "draft_model" and not path:
-            raise InvalidParameterError("methods", item, "draft_model needs a path: draft_model:PATH")
+            raise InvalidParameterError("methods", item, allowed)
+        if name in WITH_PATH and not path:
+            raise InvalidParameterError("methods", item, f"{name} needs a path: {name}:PATH")
+        if name not in WITH_PATH and path:
+            raise InvalidParameterError("methods", item, f"{name} takes no path")
         if (name, path or None) not in out:
             out.append((name, path or None))
     if not out:
-        raise InvalidParameterError("methods", text, "name at least one of none, ngram, draft_model:PATH")
+        raise InvalidParameterError("methods", text, "name at least one of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR")
     return out
 
 
@@ -111,7 +116,7 @@ def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lo
                 spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
                         "prompt_lookup_min": lookup_min}
             else:
-                spec = {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+                spec = {"method": name, "model": path, "num_speculative_tokens": k}
             SpeculativeConfig.from_dict(spec)  # refuse bad settings before loading anything
             out.append((Config(name, k, path), spec))
     return out
@@ -195,7 +200,7 @@ def run_bench(args) -> int:
     else:
         runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, max_model_len=max_len,
                                                        max_num_seqs=1)) for c, s in spec_configs]
-        runners += build_peers(peers, loaded, PeerPlan(ks, args.prompt_lookup_max, [p for n, p in methods if p], max_len),
+        runners += build_peers(peers, loaded, PeerPlan(ks, args.prompt_lookup_max, [p for n, p in methods if n == "draft_model"], max_len),
                                log=lambda msg: print(msg, file=sys.stderr))
         _print_header(loaded.name, machine, workload, settings)
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.config import DEFAULT_EAGLE_NODES, EngineConfig, SpeculativeConfig
 from specserve.model.loader import LoadedModel, load_model
 from specserve.spec.proposer import Proposer
 
@@ -14,6 +14,15 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         from specserve.spec.ngram import NgramProposer
         return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
                              num_branches=spec.num_branches)
+    if spec.method == "eagle":
+        from specserve.spec.eagle import EagleProposer
+        from specserve.spec.heads import load_drafter
+        return EagleProposer(load_drafter(spec.model, target), target, engine,
+                             max_nodes=spec.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=spec.draft_topk)
+    if spec.method == "medusa":
+        from specserve.spec.heads import load_drafter
+        from specserve.spec.medusa import MedusaProposer
+        return MedusaProposer(load_drafter(spec.model, target), max_nodes=spec.num_draft_nodes)
     from specserve.spec.draft_model import DraftModelProposer
     draft = load_model(spec.model, dtype=target.model.dtype, device=target.model.device)
     return DraftModelProposer(draft, target, engine)

@@ -1,0 +1,204 @@
+"""EAGLE proposer: a one-layer feature-level drafter grows a dynamic draft tree per request, as
+in EAGLE-2.
+
+Per step and request (L = the last position with a target feature; the root is token L+1):
+  1. catch-up: the drafter runs over the positions whose target features arrived since the
+     last step (the accepted path, or the whole prompt the first time), writing its KV cache;
+     its output at L predicts the feature at L+1, whose logits give the root's children.
+  2. growth: depth by depth, the `topk` candidates of highest cumulative log-probability are
+     expanded in one batched pass (input: the candidate's token and its parent's predicted
+     feature), each yielding its `topk` children.
+  3. the tree: the `max_nodes` candidates of highest cumulative log-probability. A child
+     never scores above its parent, so their ancestors are in the tree too.
+Candidates are deterministic (top-k), so the tree carries no draft probabilities: the
+verifier's tree rule keeps greedy and sampled outputs exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import EngineConfig
+from specserve.engine.kv_budget import num_kv_blocks
+from specserve.model.loader import LoadedModel
+from specserve.spec.heads import Drafter
+from specserve.spec.heads.eagle_kv import EagleKV
+from specserve.spec.proposer import DraftTreeProposal, Proposer, SpecRequest
+from specserve.spec.tree import DraftTree
+
+# A catch-up of at most this many positions (a decode step's accepted path) shares a padded
+# pass with the others; a longer one (a prompt) runs alone rather than padding every row to it.
+_SHARED_CATCH_UP = 16
+# Ties between a candidate and its parent (a child of probability 1 after rounding) go to the
+# parent, so that a node is never chosen without its parent.
+_DEPTH_TIE_BREAK = 1e-6
+
+
+@dataclass(slots=True)
+class _Row:
+    """A request drafting this step."""
+
+    index: int  # in the batch handed to propose
+    request_id: str
+    start: int  # first catch-up position
+    features: torch.Tensor  # [C, H] target features at positions start..L
+    next_tokens: list[int]  # [C] the token after each of those positions (the drafter's token input)
+    depth: int  # deepest allowed node
+    max_nodes: int
+
+    @property
+    def last(self) -> int:  # L
+        return self.start + len(self.next_tokens) - 1
+
+
+class EagleProposer(Proposer):
+    name = "eagle"
+    needs_hidden_states = True
+
+    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
+        self.drafter = drafter
+        self.max_nodes = max_nodes
+        self.topk = min(topk, drafter.config.draft_vocab_size)
+        model = target.model
+        self.kv = EagleKV(drafter.config.layer_config(), num_kv_blocks(target, engine), engine.block_size,
+                          drafter.dtype, model.device)
+
+    def num_draft_nodes(self, num_speculative_tokens: int) -> int:
+        return max(num_speculative_tokens, self.max_nodes)
+
+    def observe_hidden(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
+        self.kv.observe(request_id, start_position, hidden)
+
+    def remove_request(self, request_id: str) -> None:
+        self.kv.remove(request_id)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
+        trees = [DraftTree.empty() for _ in batch]
+        depth = max((r.num_speculative_tokens for r in batch), default=0)
+        rows = []
+        for i, r in enumerate(batch):
+            if r.num_speculative_tokens < 1 or r.max_nodes < 1:
+                continue
+            # Every request reserves the deepest growth of the batch, which runs for all rows.
+            begun = self.kv.begin(r.request_id, len(r.token_ids), (depth - 1) * self.topk)
+            if begun is not None:
+                start, features = begun
+                rows.append(_Row(i, r.request_id, start, features, list(r.token_ids[start + 1:]),
+                                 r.num_speculative_tokens, r.max_nodes))
+        if not rows:
+            return DraftTreeProposal(trees)
+        roots = self._catch_up(rows)  # [B, H]
+        for row, tree in zip(rows, self._grow(rows, roots, depth)):
+            trees[row.index] = tree
+        for row in rows:  # the context stays, the tree slots go back
+            self.kv.commit(row.request_id, row.last + 2)
+        return DraftTreeProposal(trees)
+
+    # ---- 1. catch-up -------------------------------------------------------------------------
+
+    def _catch_up(self, rows: list[_Row]) -> torch.Tensor:
+        """Feed each row's new positions; -> the drafter's output at each row's L [B, H]."""
+        short = [j for j, r in enumerate(rows) if len(r.next_tokens) <= _SHARED_CATCH_UP]
+        groups = ([short] if short else []) + [[j] for j in range(len(rows)) if j not in short]
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for group in groups:
+            for j, h in zip(group, self._catch_up_pass([rows[j] for j in group])):
+                out[j] = h
+        return torch.stack(out)
+
+    def _catch_up_pass(self, rows: list[_Row]) -> torch.Tensor:
+        device, h = self.kv.device, self.drafter.config.hidden_size
+        width = max(len(r.next_tokens) for r in rows)
+        tokens = torch.zeros(len(rows), width, dtype=torch.long)
+        features = torch.zeros(len(rows), width, h, dtype=self.drafter.dtype, device=device)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        slots = torch.full((len(rows), width), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            c = len(r.next_tokens)
+            tokens[b, :c] = torch.tensor(r.next_tokens)
+            features[b, :c] = r.features
+            positions[b, :c] = torch.arange(r.start, r.start + c)
+            slots[b, :c] = positions[b, :c]
+        span = max(r.last for r in rows) + 1
+        keys = torch.arange(span)
+        first = torch.tensor([self.kv.first(r.request_id) for r in rows])[:, None, None]
+        # Causal from the request's first entry; padding queries see that entry (never nothing).
+        upto = torch.where(slots >= 0, positions, first[:, :, 0])[:, :, None]
+        visible = (keys >= first) & (keys <= upto)  # [B, C, S]
+        meta = self.kv.metadata(self.kv.tables([r.request_id for r in rows], span), positions, slots, visible)
+        d = self.drafter
+        g = d.heads(d.embed(tokens.to(device)).to(d.dtype), features, meta.positions, meta, self.kv.cache)  # [B, C, H]
+        last = torch.tensor([len(r.next_tokens) - 1 for r in rows], device=device)
+        return g[torch.arange(len(rows), device=device), last]
+
+    # ---- 2. and 3. growth and selection -------------------------------------------------------
+
+    def _grow(self, rows: list[_Row], roots: torch.Tensor, depth: int) -> list[DraftTree]:
+        d, k, device = self.drafter, self.topk, self.kv.device
+        bsz = len(rows)
+        lp, tok = torch.log_softmax(d.vocab(roots), -1).topk(k, dim=-1)  # [B, K] depth-1 candidates
+        # Every candidate of every depth, numbered in creation order (parents before children).
+        cand_tok, cand_score, cand_parent, cand_depth = [tok], [lp], [torch.full_like(tok, -1)], [1]
+        frontier_id = torch.arange(k, device=device).expand(bsz, k)  # [B, K] candidate ids
+        frontier_tok, frontier_score = tok, lp
+        frontier_feat = roots[:, None].expand(bsz, k, roots.shape[-1])  # [B, K, H] the parent's output
+        span = (depth - 1) * k  # tree slots after each row's context
+        frontier_anc = torch.zeros(bsz, k, max(span, 1), dtype=torch.bool)  # expanded ancestors' tree slots
+        last = torch.tensor([r.last for r in rows])
+        first = torch.tensor([self.kv.first(r.request_id) for r in rows])
+        num_keys = int(last.max()) + 1 + span
+        tables = self.kv.tables([r.request_id for r in rows], num_keys)
+        keys = torch.arange(num_keys)
+        context = (keys >= first[:, None]) & (keys <= last[:, None])  # [B, S]
+        rel = keys[None, :] - (last[:, None] + 1)  # [B, S] tree slot of each key (< 0: context)
+        offset = 0
+        for level in range(2, depth + 1):
+            own = torch.arange(offset, offset + k)
+            anc = frontier_anc.clone()
+            anc[:, torch.arange(k), own] = True
+            tree_part = anc.gather(2, rel.clamp(0, span - 1)[:, None, :].expand(bsz, k, num_keys))
+            visible = context[:, None, :] | (tree_part & (rel >= 0)[:, None, :])  # [B, K, S]
+            positions = (last + level - 1)[:, None].expand(bsz, k)
+            slots = last[:, None] + 1 + own[None, :]
+            meta = self.kv.metadata(tables, positions, slots, visible)
+            g = d.heads(d.embed(d.vocab.ids[frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
+                        self.kv.cache)
+            clp, ctok = torch.log_softmax(d.vocab(g), -1).topk(k, dim=-1)  # [B, K, K]
+            score = (frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
+            base = k + (level - 2) * k * k
+            cand_tok.append(ctok.flatten(1))
+            cand_score.append(score)
+            cand_parent.append(frontier_id[:, :, None].expand(bsz, k, k).flatten(1))
+            cand_depth.append(level)
+            offset += k
+            if level < depth:
+                sel = score.topk(k, dim=-1).indices  # [B, K] the next depth's expanded nodes
+                parent = sel // k
+                frontier_id = base + sel
+                frontier_tok = ctok.flatten(1).gather(1, sel)
+                frontier_score = score.gather(1, sel)
+                frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
+                frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
+        return self._select(rows, cand_tok, cand_score, cand_parent, cand_depth)
+
+    def _select(self, rows: list[_Row], cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
+                cand_parent: list[torch.Tensor], cand_depth: list[int]) -> list[DraftTree]:
+        """The best max_nodes candidates of each row (within its depth), as DraftTrees."""
+        depth_of = torch.cat([torch.full((t.shape[1],), lv) for t, lv in zip(cand_tok, cand_depth)])  # [N]
+        # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
+        score = torch.cat(cand_score, dim=1).double().cpu() - _DEPTH_TIE_BREAK * depth_of  # [B, N]
+        tokens = self.drafter.vocab.ids[torch.cat(cand_tok, dim=1)].cpu()  # [B, N] target ids
+        parents = torch.cat(cand_parent, dim=1).cpu()
+        trees = []
+        for b, r in enumerate(rows):
+            allowed = depth_of <= r.depth
+            s = score[b].masked_fill(~allowed, float("-inf"))
+            n = min(r.max_nodes, int(allowed.sum()))
+            chosen = s.topk(n).indices.sort().values.tolist()  # creation order: parents first
+            node_of = {c: i for i, c in enumerate(chosen)}
+            par = parents[b].tolist()
+            trees.append(DraftTree([int(tokens[b, c]) for c in chosen], [node_of.get(par[c], -1) for c in chosen]))
+        return trees

@@ -1,0 +1,73 @@
+"""The settings of `specserve train-draft`, validated once, before the target loads."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from specserve.errors import InvalidParameterError
+from specserve.spec.heads.config import DRAFTER_METHODS, SAVE_DTYPES
+
+# Per-method defaults where the two differ: EAGLE unrolls 3 steps; Medusa has 4 heads, which
+# train in seconds, so it takes more epochs at a higher rate.
+METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 3, "lr": 5e-4}, "medusa": {"depth": 4, "epochs": 6, "lr": 1e-3}}
+
+
+@dataclass(frozen=True, slots=True)
+class TrainDraftConfig:
+    """Everything `train-draft` takes, validated once."""
+
+    method: str
+    target: str  # model path or "default"
+    out: str
+    prompts: str | None = None  # JSONL; None: the target writes the user turns
+    num_prompts: int = 640
+    max_new_tokens: int = 192
+    epochs: int | None = None  # None: the method's default (METHOD_DEFAULTS), likewise lr and depth
+    lr: float | None = None
+    seed: int = 0
+    depth: int | None = None  # EAGLE: unrolled training steps; Medusa: heads
+    eval_depth: int = 6  # EAGLE: draft depth scored on the held-out split (Medusa: its heads)
+    draft_vocab: int = 8192  # 0: the whole vocabulary
+    tokens_per_batch: int = 4096
+    held_out: float = 0.05
+    tree_nodes: int = 32  # Medusa: nodes of the static tree chosen from held-out accuracy
+    save_dtype: str = "bfloat16"
+    device: str = "cpu"
+    prompt_max_tokens: int = 64
+    cache: str | None = None  # the data cache folder; None: out/cache
+    chunk_size: int = 32
+    resume: bool = False
+    command: str = ""  # as typed, recorded in config.json
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFTER_METHODS:
+            raise InvalidParameterError("method", self.method, f"must be one of {', '.join(DRAFTER_METHODS)}")
+        for name, value in METHOD_DEFAULTS[self.method].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        positive = ("num_prompts", "max_new_tokens", "epochs", "depth", "eval_depth", "tokens_per_batch",
+                    "tree_nodes", "prompt_max_tokens", "chunk_size")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(name.replace("_", "-"), value, "must be a positive integer")
+        if self.draft_vocab < 0:
+            raise InvalidParameterError("draft-vocab", self.draft_vocab, "must be >= 0 (0: the whole vocabulary)")
+        if not 0 < self.lr < 1:
+            raise InvalidParameterError("lr", self.lr, "must lie in (0, 1)")
+        if not 0 < self.held_out < 1:
+            raise InvalidParameterError("held-out", self.held_out, "must lie in (0, 1)")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise InvalidParameterError("save-dtype", self.save_dtype, f"must be one of {', '.join(SAVE_DTYPES)}")
+
+    @property
+    def score_depth(self) -> int:
+        return self.eval_depth if self.method == "eagle" else self.depth
+
+    def identity(self) -> dict:
+        """The settings that shape data and training: a --resume must not change them."""
+        d = dataclasses.asdict(self)
+        for k in ("resume", "command", "epochs", "out", "device", "cache"):
+            d.pop(k)
+        return d

@@ -1,0 +1,171 @@
+"""`specserve train-draft` on a tiny target: the trained heads beat untrained ones and chance on
+held-back sequences, the folder loads as a drafter, an interrupted run resumes to exactly the
+weights of an uninterrupted one, and the data cache resumes shard by shard.
+
+The target is a tiny random Llama with its attention output zeroed: a bigram model, whose
+greedy continuation is a function of the last token. A random target with attention is a
+chaotic function of its whole context that no head learns from a thousand tokens, so the test
+could not tell training from noise; here it learns within two epochs."""
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specserve.cli import main
+from specserve.errors import InvalidParameterError
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.train.config import TrainDraftConfig
+from specserve.model.loader import load_model
+from specserve.train import trainer
+from specserve.train.run import train_draft
+from specserve.train.trainer import save_checkpoint
+from tests.helpers import make_tiny_checkpoint
+
+# One chunk of prompts (answered together), short answers, small batches: seconds, not minutes.
+TINY = dict(num_prompts=40, max_new_tokens=32, chunk_size=20, held_out=0.25, tokens_per_batch=256,
+            eval_depth=4, lr=1e-2)
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("bigram") / "t", layers=1, seed=4)
+    weights = load_file(str(path / "model.safetensors"))
+    for name in weights:
+        if name.endswith("o_proj.weight"):
+            weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": str(path), "loaded": load_model(path)}
+
+
+def write_prompts(path, n=40, seed=0):
+    """Short phrases repeated, as word-level prompts for the tiny tokenizer."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            phrase = [f"t{rng.randrange(2, 64)}" for _ in range(rng.randrange(2, 6))]
+            f.write(json.dumps({"prompt": " ".join((phrase * 10)[: rng.randrange(4, 24)])}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def eagle_runs(bigram, tmp_path_factory):
+    """Run A: interrupted right after its epoch-1 checkpoint, then resumed. Run B: the same two
+    epochs uninterrupted, on a copy of A's data cache."""
+    root = tmp_path_factory.mktemp("train")
+    prompts = write_prompts(root / "prompts.jsonl")
+    cfg = dict(TINY, method="eagle", target=bigram["target"], prompts=str(prompts), seed=3, epochs=2)
+    a, b = root / "a", root / "b"
+
+    def save_then_interrupt(*args):
+        save_checkpoint(*args)
+        raise KeyboardInterrupt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer, "save_checkpoint", save_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            train_draft(TrainDraftConfig(**cfg, out=str(a)), log=lambda m: None)
+    assert json.loads((a / "checkpoint" / "state.json").read_text())["epochs_done"] == 1
+    b.mkdir()
+    shutil.copytree(a / "cache", b / "cache")
+    shutil.copy(a / "run.json", b / "run.json")
+    train_draft(TrainDraftConfig(**cfg, out=str(b), resume=True), log=lambda m: None)
+    _, report = train_draft(TrainDraftConfig(**cfg, out=str(a), resume=True), log=lambda m: None)
+    return {"a": a, "b": b, "report": report, "cfg": cfg}
+
+
+def test_eagle_heads_beat_untrained_and_chance(eagle_runs):
+    config = json.loads((eagle_runs["a"] / "config.json").read_text())
+    history = config["training"]["history"]
+    untrained, trained = history[0]["held_out"], eagle_runs["report"]
+    assert [h["epoch"] for h in history] == [0, 1, 2]
+    assert min(trained.top1_by_depth) > 0.5 > 10 * trained.chance_top1
+    assert max(untrained["top1_by_depth"]) < 0.1
+    assert trained.expected_accepted_length > 2.5 > 1.2 > untrained["expected_accepted_length"]
+    assert trained.loss < untrained["loss"]
+    assert config["training"]["seed"] == 3 and config["method"] == "eagle"
+    assert config["target"]["vocab_size"] == 64
+
+
+def test_resumed_training_equals_uninterrupted(eagle_runs):
+    a = load_file(str(eagle_runs["a"] / "checkpoint" / "heads.safetensors"))
+    b = load_file(str(eagle_runs["b"] / "checkpoint" / "heads.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert (eagle_runs["a"] / "model.safetensors").read_bytes() == (eagle_runs["b"] / "model.safetensors").read_bytes()
+
+
+def test_trained_eagle_folder_speculates_losslessly(bigram, eagle_runs):
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompts = [[5, 9, 13, 5, 9, 13, 5], [7, 7, 21, 30], list(range(2, 40))]
+    plain = LLM(loaded=bigram["loaded"], max_num_seqs=1).generate(prompts, params, use_tqdm=False)
+    llm = LLM(loaded=bigram["loaded"], max_num_seqs=3,
+              speculative_config={"method": "eagle", "model": str(eagle_runs["a"]), "num_speculative_tokens": 3})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert LLM.aggregate_spec_stats(outs).mean_accepted_length > 2.0
+
+
+def test_data_cache_resumes_shard_by_shard(eagle_runs, tmp_path):
+    """A deleted (or never written) shard is the only one recomputed, to the same bytes."""
+    cfg = dict(eagle_runs["cfg"], num_prompts=40, chunk_size=10, epochs=1)
+    out = tmp_path / "c"
+    train_draft(TrainDraftConfig(**cfg, out=str(out)), log=lambda m: None)
+    shards = sorted((out / "cache").glob("shard-*.safetensors"))
+    assert len(shards) == 4
+    before = {p.name: p.read_bytes() for p in shards}
+    mtimes = {p.name: p.stat().st_mtime_ns for p in shards}
+    shards[2].unlink()
+    train_draft(TrainDraftConfig(**cfg, out=str(out), resume=True), log=lambda m: None)
+    after = sorted((out / "cache").glob("shard-*.safetensors"))
+    assert {p.name: p.read_bytes() for p in after} == before
+    assert [p.name for p in after if p.stat().st_mtime_ns != mtimes[p.name]] == [shards[2].name]
+
+
+def test_runs_with_the_same_data_settings_share_a_cache(eagle_runs, tmp_path):
+    cache = eagle_runs["a"] / "cache"
+    shards = {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")}
+    cfg = dict(eagle_runs["cfg"], method="medusa", epochs=1, depth=None, lr=None, cache=str(cache))
+    train_draft(TrainDraftConfig(**cfg, out=str(tmp_path / "m")), log=lambda m: None)
+    assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")} == shards
+    with pytest.raises(InvalidParameterError, match="max_new_tokens"):
+        train_draft(TrainDraftConfig(**dict(cfg, max_new_tokens=16), out=str(tmp_path / "n")), log=lambda m: None)
+
+
+def test_medusa_heads_beat_untrained_and_chance(bigram, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", seed=1)
+    out = tmp_path / "m"
+    _, report = train_draft(TrainDraftConfig(**TINY, method="medusa", target=bigram["target"], prompts=str(prompts),
+                                             out=str(out), epochs=2, tree_nodes=6), log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    untrained = config["training"]["history"][0]["held_out"]
+    assert report.loss < untrained["loss"]
+    assert min(report.top1_by_depth) > 0.3 > 10 * report.chance_top1
+    assert report.top1_by_depth[0] > untrained["top1_by_depth"][0] + 0.2
+    assert config["num_heads"] == 4 and 1 <= len(config["tree_choices"]) <= 6
+    assert all(c[:-1] in config["tree_choices"] for c in config["tree_choices"] if len(c) > 1)
+
+
+def test_train_draft_command_refuses_bad_runs(bigram, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", n=4)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "x").write_text("something")
+    args = ["train-draft", "--method", "eagle", "--target", bigram["target"], "--prompts", str(prompts)]
+    assert main(args + ["--out", str(used)]) == 2  # not empty, no --resume
+    assert main(args + ["--out", str(tmp_path / "n"), "--epochs", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(args[:2] + ["lookahead", "--out", str(tmp_path / "m")])
+    with pytest.raises(InvalidParameterError, match="draft-vocab"):
+        TrainDraftConfig(method="eagle", target="default", out="x", draft_vocab=-1)
+
+
+def test_resume_with_other_settings_is_refused(eagle_runs):
+    cfg = dict(eagle_runs["cfg"], seed=4)
+    with pytest.raises(InvalidParameterError, match="seed"):
+        train_draft(TrainDraftConfig(**cfg, out=str(eagle_runs["a"]), resume=True), log=lambda m: None)
