@@ -24,6 +24,20 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens drafted per step (k)")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
+    _add_tree_args(p)
+
+
+def _add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-draft-nodes", type=int, default=None,
+                   help="eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
+                        "--num-speculative-tokens); default: eagle 16, medusa the tree it was trained with")
+    p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 4)")
+
+
+def tree_settings(args) -> dict:
+    """The draft-tree keys of speculative_config the user gave (eagle and medusa)."""
+    return {k: v for k, v in (("num_draft_nodes", args.num_draft_nodes), ("draft_topk", args.draft_topk))
+            if v is not None}
 
 
 def _spec_config(args) -> dict | None:
@@ -34,6 +48,8 @@ def _spec_config(args) -> dict | None:
         cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
     else:
         cfg["model"] = args.draft_model
+    if args.speculative in ("eagle", "medusa"):
+        cfg.update(tree_settings(args))
     return cfg
 
 

@@ -23,7 +23,7 @@ MAX_CONCURRENCY = 4096  # the engine's limit on max_num_seqs
 
 
 def add_bench_parser(sub) -> None:
-    from specserve.cli import _add_model_args
+    from specserve.cli import _add_model_args, _add_tree_args
 
     b = sub.add_parser("bench", help="measure plain decoding, speculative methods and peers side by side",
                        description="Plain decoding always runs: it is the baseline of speedup and identity.")
@@ -35,6 +35,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--methods", default="none,ngram",
                    help="comma list of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR (DIR: a train-draft folder)")
     b.add_argument("--num-speculative-tokens", default="4", help="k, or a comma list to sweep (e.g. 2,4,6)")
+    _add_tree_args(b)
     b.add_argument("--prompt-lookup-max", type=int, default=4)
     b.add_argument("--prompt-lookup-min", type=int, default=1)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
@@ -102,8 +103,9 @@ def parse_concurrency(text: str | None) -> list[int] | None:
 
 
 def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lookup_min: int,
-                        lookup_max: int) -> list[tuple[Config, dict]]:
-    """The speculative configurations (plain decoding is not one of them: it always runs)."""
+                        lookup_max: int, tree: dict | None = None) -> list[tuple[Config, dict]]:
+    """The speculative configurations (plain decoding is not one of them: it always runs).
+    `tree`: draft-tree settings for eagle and medusa (num_draft_nodes, draft_topk)."""
     from specserve.config import SpeculativeConfig
     from specserve.model.loader import resolve_model_path
 
@@ -117,6 +119,8 @@ def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lo
                         "prompt_lookup_min": lookup_min}
             else:
                 spec = {"method": name, "model": path, "num_speculative_tokens": k}
+                if name in ("eagle", "medusa"):
+                    spec.update(tree or {})
             SpeculativeConfig.from_dict(spec)  # refuse bad settings before loading anything
             out.append((Config(name, k, path), spec))
     return out
@@ -145,6 +149,7 @@ def run_bench(args) -> int:
     from specserve.bench.peers import PeerPlan, build_peers
     from specserve.bench.runner import SpecserveRunner, measure, report
     from specserve.bench.workload import Selection, load_workload, select
+    from specserve.cli import tree_settings
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.sampling_params import SamplingParams
@@ -152,7 +157,7 @@ def run_bench(args) -> int:
     # Everything the user typed is checked before seconds go into loading models.
     methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
     concurrency = parse_concurrency(args.concurrency)
-    spec_configs = speculative_configs(methods, ks, args.prompt_lookup_min, args.prompt_lookup_max)
+    spec_configs = speculative_configs(methods, ks, args.prompt_lookup_min, args.prompt_lookup_max, tree_settings(args))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     selection = Selection.from_text(args.categories, args.per_category, args.limit)
     prompts = select(load_workload(args.workload, args.field), selection)
@@ -182,7 +187,7 @@ def run_bench(args) -> int:
                 "prompt_tokens": sum(len(ids) for _, ids in fitting)}
     settings = {"dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "seed": args.seed, "max_model_len": max_len, "prompt_lookup_max": args.prompt_lookup_max,
-                "prompt_lookup_min": args.prompt_lookup_min}
+                "prompt_lookup_min": args.prompt_lookup_min, **tree_settings(args)}
     if concurrency is not None:
         settings["concurrency"] = concurrency
 
