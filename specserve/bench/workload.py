@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -45,6 +46,18 @@ def spec_bench_path() -> Path:
     return Path(str(resources.files("specserve") / "data" / "spec_bench" / "question.jsonl"))
 
 
+def read_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed row) of every non-blank line; a line that is not JSON is an error
+    naming the file and line."""
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecserveError(f"{path}:{n} is not valid JSON: {e}") from None
+
+
 def load_workload(workload: str, field: str = "turns") -> list[BenchPrompt]:
     """`spec_bench`, or a JSONL file whose `field` holds a prompt string or a list of turns
     (of which the first is used: later turns need the model's own earlier answers)."""
@@ -52,13 +65,7 @@ def load_workload(workload: str, field: str = "turns") -> list[BenchPrompt]:
     if not path.is_file():
         raise SpecserveError(f"workload {workload!r} is neither '{SPEC_BENCH}' nor an existing JSONL file")
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecserveError(f"{path}:{n} is not valid JSON: {e}") from None
+    for n, row in read_jsonl(path):
         value = row.get(field) if isinstance(row, dict) else None
         if isinstance(value, list) and value:
             value = value[0]

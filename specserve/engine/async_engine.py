@@ -106,15 +106,6 @@ class AsyncEngine:
     def stop_accepting(self) -> None:
         self._accepting = False
 
-    async def drain(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for every request to finish; True when none is left."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while self.snapshot.num_requests or self._pending:
-            if asyncio.get_running_loop().time() >= deadline:
-                return False
-            await asyncio.sleep(0.05)
-        return True
-
     def shutdown(self) -> None:
         """Stop the thread; requests still running are aborted and their streams end."""
         self._accepting = False

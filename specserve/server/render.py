@@ -80,8 +80,7 @@ class Renderer:
                 "choices": [choice]}
 
     def usage_chunk(self, job) -> dict:
-        kind = "chat.completion.chunk" if job.request_id.startswith("chatcmpl") else "text_completion"
-        return {"id": job.request_id, "object": kind, "created": job.created, "model": job.model, "choices": [],
+        return {"id": job.request_id, "object": job.chunk_object, "created": job.created, "model": job.model, "choices": [],
                 "usage": self.usage(job).model_dump()}
 
     # ---- log probabilities -------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Job:
     request_id: str
     model: str
     prompts: list[tuple[list[int], str | None]]
+    chunk_object: str  # the "object" of its stream chunks
     choices: list[Choice] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
@@ -81,7 +82,7 @@ class OpenAIServing:
             raise APIError(400, "echo together with logprobs is not supported (prompt log probabilities are not "
                                 "computed); drop one of them", "echo")
         prompts = self._completion_prompts(req.prompt)
-        job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts)
+        job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion")
         params = self._params(req, prompts, req.max_tokens, explicit_max=req.max_tokens is not None,
                               logprobs=req.logprobs, param_name="max_tokens")
         self._submit(job, req, params)
@@ -104,7 +105,7 @@ class OpenAIServing:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)])
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self._params(req, job.prompts, max_tokens, explicit_max=max_tokens is not None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specserve.bench.workload import spec_bench_path
+from specserve.bench.workload import read_jsonl, spec_bench_path
 from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -30,13 +30,7 @@ def read_prompt_file(path: str | Path) -> list[list[dict]]:
     if bench.is_file() and path.resolve() == bench.resolve():
         raise InvalidParameterError("prompts", str(path), "is Spec-Bench, the benchmark; train on other prompts")
     conversations = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecserveError(f"{path}:{n} is not valid JSON: {e}") from None
+    for n, row in read_jsonl(path):
         if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
             conversations.append([{"role": "user", "content": row["prompt"]}])
         elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
