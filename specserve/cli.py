@@ -30,8 +30,8 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-nodes", type=int, default=None,
                    help="eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
-                        "--num-speculative-tokens); default: eagle 16, medusa the tree it was trained with")
-    p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 4)")
+                        "--num-speculative-tokens); default: eagle 8, medusa the tree it was trained with")
+    p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 2)")
 
 
 def tree_settings(args) -> dict:

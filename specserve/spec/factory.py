@@ -16,8 +16,8 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
                              num_branches=spec.num_branches)
     if spec.method == "eagle":
         from specserve.spec.eagle import EagleProposer
-        from specserve.spec.heads import load_drafter
-        return EagleProposer(load_drafter(spec.model, target), target, engine,
+        from specserve.spec.heads.drafter import drafter_path, load_drafter
+        return EagleProposer(load_drafter(drafter_path(spec.model, "eagle"), target), target, engine,
                              max_nodes=spec.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=spec.draft_topk)
     if spec.method == "medusa":
         from specserve.spec.heads import load_drafter

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from specserve.errors import InvalidParameterError
 from specserve.spec.heads.config import DRAFTER_METHODS, SAVE_DTYPES
 
-# Per-method defaults where the two differ: EAGLE unrolls 3 steps; Medusa has 4 heads, whose
-# residual blocks tolerate a higher rate.
-METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 3, "lr": 5e-4}, "medusa": {"depth": 4, "epochs": 3, "lr": 1e-3}}
+# Per-method defaults where the two differ: EAGLE unrolls 3 steps, Medusa has 4 heads. Measured
+# on the embedded model (531 sequences, 84k answer tokens): EAGLE's held-out top-1 rose from
+# 0.27 (3 epochs of 4096-token batches at 5e-4) to 0.46 (12 epochs of 1024 at 1e-3), still
+# rising slowly; Medusa's head 1 from 0.25 to 0.33 (8 epochs of 1024).
+METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 12, "lr": 1e-3}, "medusa": {"depth": 4, "epochs": 8, "lr": 1e-3}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,9 +31,9 @@ class TrainDraftConfig:
     depth: int | None = None  # EAGLE: unrolled training steps; Medusa: heads
     eval_depth: int = 6  # EAGLE: draft depth scored on the held-out split (Medusa: its heads)
     draft_vocab: int = 8192  # 0: the whole vocabulary
-    tokens_per_batch: int = 4096
+    tokens_per_batch: int = 1024
     held_out: float = 0.05
-    tree_nodes: int = 32  # Medusa: nodes of the static tree chosen from held-out accuracy
+    tree_nodes: int = 16  # Medusa: nodes of the static tree chosen from held-out accuracy
     save_dtype: str = "bfloat16"
     device: str = "cpu"
     prompt_max_tokens: int = 64

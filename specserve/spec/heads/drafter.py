@@ -4,6 +4,7 @@ vocabulary rows), and its files: model.safetensors + config.json."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ from specserve.model.loader import LoadedModel
 from specserve.spec.heads.config import CONFIG_FILE, SAVE_DTYPES, WEIGHTS_FILE, DrafterConfig, TargetIdentity
 from specserve.spec.heads.modules import DraftVocab, EagleHead, MedusaHeads
 
+# The EAGLE drafter shipped for the embedded model (specserve/assets), named by model "default".
+DEFAULT_DRAFTERS = {"eagle": "eagle-smollm2-135m"}
 _VOCAB_KEY = "draft_vocab"  # [Vd] int64: the target token id of each draft-vocabulary row
 _HEADS_PREFIX = "heads."
 
@@ -84,6 +87,13 @@ def save_drafter(folder: str | Path, drafter: Drafter) -> None:
     tensors[_VOCAB_KEY] = drafter.vocab.ids.to("cpu", torch.int64).contiguous()
     save_file(tensors, str(folder / WEIGHTS_FILE))
     (folder / CONFIG_FILE).write_text(drafter.config.to_json())
+
+
+def drafter_path(folder: str | Path, method: str) -> Path:
+    """A drafter folder, or "default": the one shipped for the embedded model."""
+    if str(folder) == "default" and method in DEFAULT_DRAFTERS:
+        return Path(str(resources.files("specserve") / "assets" / DEFAULT_DRAFTERS[method]))
+    return Path(folder).expanduser()
 
 
 def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool = True) -> Drafter:
