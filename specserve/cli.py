@@ -25,6 +25,12 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     _add_tree_args(p)
+    p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"],
+                   default="rejection_sampler",
+                   help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
+                        "(output no longer exactly the target's distribution; greedy unchanged). Default: lossless")
+    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance: probability bar")
+    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance: entropy-scaled bar")
 
 
 def _add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +56,9 @@ def _spec_config(args) -> dict | None:
         cfg["model"] = args.draft_model
     if args.speculative in ("eagle", "medusa"):
         cfg.update(tree_settings(args))
+    if args.acceptance_method != "rejection_sampler":
+        cfg.update(acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
+                   posterior_alpha=args.posterior_alpha)
     return cfg
 
 
@@ -124,7 +133,9 @@ def _generate(args) -> int:
     if not args.prompt.strip():
         raise PromptError("the prompt is empty; give some text")
     from specserve.config import SpeculativeConfig
-    SpeculativeConfig.from_dict(spec)
+    if (sc := SpeculativeConfig.from_dict(spec)) is not None and sc.lossy:
+        print("note: --acceptance-method typical_acceptance_sampler is lossy: sampled output is not exactly the "
+              "target model's distribution (greedy output is unchanged)", file=sys.stderr)
 
     print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", file=sys.stderr)
     t = time.perf_counter()

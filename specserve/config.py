@@ -14,6 +14,7 @@ MAX_SPECULATIVE_TOKENS = 32
 DRAFTER_METHODS = ("eagle", "medusa")
 MAX_DRAFT_NODES = 128  # tree nodes verified per step
 MAX_DRAFT_TOPK = 32
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -36,6 +37,12 @@ class SpeculativeConfig:
     num_draft_nodes: int | None = None
     # eagle: children kept per expanded node, and nodes expanded per depth (EAGLE-2's top-k).
     draft_topk: int = 2
+    # "typical_acceptance_sampler": Medusa's typical acceptance for sampled requests, LOSSY (the
+    # output no longer has exactly the target's distribution; greedy output is unchanged).
+    # Off by default: "rejection_sampler" keeps every output exactly the target's.
+    acceptance_method: str = "rejection_sampler"
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -58,6 +65,16 @@ class SpeculativeConfig:
             raise InvalidParameterError("num_draft_nodes", n, f"must be an integer in [1, {MAX_DRAFT_NODES}] or None")
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_DRAFT_TOPK:
             raise InvalidParameterError("draft_topk", topk, f"must be an integer in [1, {MAX_DRAFT_TOPK}]")
+        if self.acceptance_method not in ACCEPTANCE_METHODS:
+            raise InvalidParameterError("acceptance_method", self.acceptance_method, f"must be one of {', '.join(ACCEPTANCE_METHODS)}")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise InvalidParameterError(name, v, "must be a number in (0, 1]")
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance_method == "typical_acceptance_sampler"
 
     @classmethod
     def from_dict(cls, d: dict | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":

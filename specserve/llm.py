@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.engine import LLMEngine
+from specserve.sample.typical import TypicalAcceptance
 from specserve.engine.kv_budget import memory_budget
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel, load_model
@@ -52,7 +53,9 @@ class LLM:
                 self.engine_config, kv_cache_memory=memory_budget(self.engine_config.kv_cache_memory, self.target.model.device))
         proposer = build_proposer(self.spec_config, self.target, self.engine_config)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
-        self.engine = LLMEngine(self.target, self.engine_config, proposer, k)
+        typical = (TypicalAcceptance(self.spec_config.posterior_threshold, self.spec_config.posterior_alpha)
+                   if self.spec_config and self.spec_config.lossy else None)
+        self.engine = LLMEngine(self.target, self.engine_config, proposer, k, typical_acceptance=typical)
         self.tokenizer = self.target.tokenizer
         self._ids = itertools.count()
 

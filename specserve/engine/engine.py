@@ -18,6 +18,7 @@ from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import SamplingTensors, VerifyOutput, make_generator, tree_verify, verify
+from specserve.sample.typical import TypicalAcceptance, typical_tree_verify
 from specserve.sampling_params import SamplingParams
 from specserve.spec import DraftProposal, DraftTree, DraftTreeProposal, Proposer, SpecRequest, VerifyFeedback
 from specserve.tokenizer import IncrementalDetokenizer
@@ -41,8 +42,11 @@ class _Verified:
 
 class LLMEngine:
     def __init__(self, target: LoadedModel, config: EngineConfig, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, typical_acceptance: TypicalAcceptance | None = None):
         self.target = target
+        # Set: sampled requests verify drafts with the typical rule (lossy, opt-in); chains are
+        # then verified as one-path trees.
+        self.typical_acceptance = typical_acceptance
         self.tokenizer = target.tokenizer
         self.config = config
         self.proposer = proposer
@@ -170,6 +174,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         proposal = self._propose(reqs, slots)
         t1 = time.perf_counter()
+        if isinstance(proposal, DraftProposal) and self.typical_acceptance is not None:
+            proposal = proposal.as_trees()
         if isinstance(proposal, DraftTreeProposal):
             verified = self._verify_trees(reqs, slots, proposal.trees)
         else:
@@ -238,7 +244,9 @@ class LLMEngine:
                           keep_hidden=self.keep_hidden)
         fwd = self.runner.forward(fb)  # logits [B, 1 + N_max, V]
         st = SamplingTensors.from_params([r.params for r in reqs], fwd.logits.device)
-        out = tree_verify(trees, fwd.logits, st, [r.generator for r in reqs])
+        gens = [r.generator for r in reqs]
+        out = (tree_verify(trees, fwd.logits, st, gens) if self.typical_acceptance is None
+               else typical_tree_verify(trees, fwd.logits, st, gens, self.typical_acceptance))
         paths = out.accepted_nodes
         # Node i's entry sits at slot start + 1 + i; path entry j belongs at start + 1 + j.
         moved = [(t, [s + 1 + n for n in p], list(range(s + 1, s + 1 + len(p))))

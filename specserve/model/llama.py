@@ -32,7 +32,9 @@ class RMSNorm(nn.Module):
         # One call. In float32 it is the reference implementation's arithmetic exactly; in
         # bfloat16/float16 torch normalises and scales in float32 and rounds once, where the
         # reference rounds before scaling too (a difference within half-precision rounding).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Under autocast (drafter training) x arrives in bfloat16 while the weight stays float32:
+        # the weight follows x so that torch keeps its fused kernel (a no-op otherwise).
+        return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
 class RotaryEmbedding(nn.Module):

@@ -24,6 +24,7 @@ vocabulary: the same numbers, in the same order, as `verify` draws for a chain o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     sampled = [b for b in range(rows) if not st.greedy_rows[b]]
     for b in range(rows):
         if st.greedy_rows[b]:
-            paths.append(_longest_greedy_path(trees[b], argmax[b]))
+            paths.append(longest_path(trees[b], lambda c, parent, b=b: trees[b].token_ids[c] == argmax[b][parent]))
             emitted[b] = argmax[b][paths[b][-1] + 1 if paths[b] else 0]
         else:
             paths.append([])
@@ -74,14 +75,15 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     return TreeVerifyOutput(out.to(device), torch.tensor([len(p) for p in paths], device=device), paths)
 
 
-def _longest_greedy_path(tree: DraftTree, argmax: list[int]) -> list[int]:
-    """The longest path of nodes whose tokens are the target's argmax at their parents."""
+def longest_path(tree: DraftTree, ok: Callable[[int, int], bool]) -> list[int]:
+    """The longest path of nodes c with ok(c, flat index of c's parent), the first such in node
+    order where several are equally long."""
     kids = tree.children()
 
     def longest(flat: int) -> list[int]:
         best: list[int] = []
         for c in kids[flat]:
-            if tree.token_ids[c] == argmax[flat]:
+            if ok(c, flat):
                 path = [c] + longest(c + 1)
                 if len(path) > len(best):
                     best = path

@@ -54,7 +54,9 @@ def run_serve(args) -> int:
     log = logging.getLogger("specserve.server")
     # Everything the user typed is checked before seconds go into loading the model.
     spec = _spec_config(args)
-    SpeculativeConfig.from_dict(spec)
+    if (sc := SpeculativeConfig.from_dict(spec)) is not None and sc.lossy:
+        log.warning("typical acceptance is on: sampled responses are NOT exactly the target model's distribution "
+                    "(lossy; greedy responses are unchanged)")
     if not 0 <= args.port <= 65535:
         raise InvalidParameterError("port", args.port, "must be in [0, 65535]")
     if args.max_waiting < 0:

@@ -114,6 +114,14 @@ class DraftProposal:
             probs[idx] = self.draft_probs
         return DraftProposal(ids, num, probs)
 
+    def as_trees(self) -> DraftTreeProposal:
+        """Each row's chain as a one-path tree (draft probabilities kept)."""
+        n = self.num_draft.tolist()
+        ids = self.draft_token_ids.tolist()
+        return DraftTreeProposal([
+            DraftTree.chain(ids[b][: n[b]], None if self.draft_probs is None or not n[b] else self.draft_probs[b, : n[b]])
+            if n[b] else DraftTree.empty() for b in range(len(n))])
+
 
 @dataclass(slots=True)
 class DraftTreeProposal:

@@ -25,9 +25,11 @@ def add_train_parser(sub) -> None:
                    help='JSONL of {"prompt": ...} or {"messages": [...]} rows; default: the target writes user turns')
     t.add_argument("--cache", default=None,
                    help="data cache folder (default OUT/cache); runs with the same data settings (target, prompts, "
-                        "--num-prompts, --max-new-tokens, --seed) share it, e.g. an EAGLE run and a Medusa run")
+                        "--num-prompts, --max-new-tokens, --chunk-size, --seed) share it, e.g. an EAGLE run and a Medusa run")
     t.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts to answer")
     t.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
+    t.add_argument("--chunk-size", type=int, default=d.chunk_size,
+                   help="prompts per data shard, answered together by one batched engine (larger: faster, more memory)")
     e, m = METHOD_DEFAULTS["eagle"], METHOD_DEFAULTS["medusa"]
     t.add_argument("--epochs", type=int, default=None, help=f"eagle {e['epochs']}, medusa {m['epochs']}")
     t.add_argument("--lr", type=float, default=None, help=f"peak learning rate (eagle {e['lr']}, medusa {m['lr']})")
@@ -56,7 +58,7 @@ def run_train(args, argv: list[str]) -> int:
 
     cfg = TrainDraftConfig(
         method=args.method, target=args.target, out=args.out, prompts=args.prompts, num_prompts=args.num_prompts,
-        max_new_tokens=args.max_new_tokens, cache=args.cache, epochs=args.epochs, lr=args.lr, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, cache=args.cache, epochs=args.epochs, lr=args.lr, seed=args.seed,
         depth=args.depth, eval_depth=args.eval_depth, draft_vocab=args.draft_vocab, tokens_per_batch=args.batch_tokens,
         held_out=args.held_out, tree_nodes=args.tree_nodes, save_dtype=args.save_dtype, device=args.device,
         resume=args.resume,

@@ -21,7 +21,7 @@ from specserve.model.attention import DenseKVCache
 from specserve.model.loader import LoadedModel
 from specserve.sampling_params import SamplingParams
 from specserve.spec.heads import TargetIdentity
-from specserve.train.prompts import write_user_turns
+from specserve.train.prompts import LONG_TURN_TOKENS, USER_TURNS, write_user_turns
 
 # Hidden states are stored in float16: half the disk and memory of float32, 11 bits of
 # mantissa (bfloat16 keeps 8), and the final norm keeps them far inside its range.
@@ -41,6 +41,7 @@ class DataPlan:
     seed: int
     prompt_max_tokens: int  # cap of a self-written user turn
     chunk_size: int  # prompts per shard, answered together by one batched engine
+    user_turns: str = USER_TURNS  # how self-written user turns begin (a cache made otherwise is refused)
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
         max_model_len = min(target.config.max_position_embeddings, MAX_PROMPT_TOKENS + plan.max_new_tokens)
         # A pool for a chunk of typical requests (a self-written prompt and a full answer); a
         # chunk of longer ones is preempted and recomputed in turns, with the same outputs.
-        typical = -(-(plan.prompt_max_tokens + 64 + plan.max_new_tokens) // 16)
+        typical = -(-(max(plan.prompt_max_tokens, LONG_TURN_TOKENS) + 64 + plan.max_new_tokens) // 16)
         llm = LLM(loaded=target, max_model_len=max_model_len, max_num_seqs=plan.chunk_size, block_size=16,
                   num_kv_blocks=max(plan.chunk_size * typical, -(-max_model_len // 16)))
         bar = tqdm(todo, desc="answering and recording", unit="chunk", initial=len(chunks) - len(todo), total=len(chunks))

@@ -4,6 +4,7 @@ writes itself from its chat template. Never the Spec-Bench prompts, which measur
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from specserve.bench.workload import read_jsonl, spec_bench_path
@@ -17,6 +18,33 @@ _SENTINEL = "\u2063specserve-user-turn\u2063"
 # ones spread over more topics.
 PROMPT_TEMPERATURES = (0.7, 0.85, 1.0, 1.1)
 PROMPT_TOP_P = 0.95
+# How self-written user turns begin, cycled by seed: the target writes the rest. Free turns
+# alone are mostly small talk and short questions; these openings spread the data over the
+# kinds of requests a served model gets (writing, role play, reasoning, math, code, extraction,
+# explanations, translation, and long documents to summarize or answer from), without taking
+# any benchmark prompt. A long opening's turn may run to LONG_TURN_TOKENS and is kept even when
+# cut there (the request comes first, the document after it).
+@dataclass(frozen=True, slots=True)
+class Opener:
+    text: str
+    long: bool = False
+
+
+TASK_OPENERS = (
+    Opener(""), Opener(""), Opener(""),
+    Opener("Write a short story about"), Opener("Write a blog post about"), Opener("Write an email to"),
+    Opener("Imagine you are"), Opener("Pretend to be"),
+    Opener("Solve this problem step by step:"), Opener("A store sells"), Opener("If a train"),
+    Opener("Write a Python function that"), Opener("How do I"),
+    Opener("Explain"), Opener("What is the difference between"), Opener("Why do"), Opener("Compare"),
+    Opener("List"), Opener("Give me three tips for"), Opener("What are the main causes of"),
+    Opener("Translate the following sentence into French:"), Opener("Translate German to English:"),
+    Opener("Summarize the following article in a few sentences.\n\n", long=True),
+    Opener("Read the text below and answer the question at the end.\n\n", long=True),
+    Opener("Extract the names, dates and places mentioned in this text:\n\n", long=True),
+)
+LONG_TURN_TOKENS = 384
+USER_TURNS = "task-openers-1"  # names TASK_OPENERS' current list in a data cache's data.json
 
 
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
@@ -72,13 +100,25 @@ def user_turn_prefix(tokenizer: Tokenizer) -> list[int]:
 
 
 def write_user_turns(llm: LLM, seeds: list[int], max_tokens: int) -> list[str]:
-    """One user turn per seed, sampled by the target after its template's user-turn prefix at
-    a temperature chosen by the seed. Turns that do not end by themselves within max_tokens
-    (rambling) or that are empty are dropped, so fewer may come back."""
+    """One user turn per seed: TASK_OPENERS[seed % len] followed by what the target samples
+    after it (from its template's user-turn prefix), at a temperature chosen by the seed. Short
+    turns that do not end by themselves within max_tokens (rambling) or that are empty are
+    dropped, so fewer may come back; long-form ones run to LONG_TURN_TOKENS and are kept."""
     prefix = user_turn_prefix(llm.tokenizer)
-    params = [SamplingParams(temperature=PROMPT_TEMPERATURES[s % len(PROMPT_TEMPERATURES)], top_p=PROMPT_TOP_P,
-                             max_tokens=max_tokens, seed=s) for s in seeds]
-    outs = llm.generate([prefix] * len(seeds), params, use_tqdm=False)
+    openers = [TASK_OPENERS[s % len(TASK_OPENERS)] for s in seeds]
+    prompts = [prefix + (llm.tokenizer.encode(o.text, add_special_tokens=False) if o.text else []) for o in openers]
+    params = [SamplingParams(temperature=PROMPT_TEMPERATURES[(s // len(TASK_OPENERS)) % len(PROMPT_TEMPERATURES)],
+                             top_p=PROMPT_TOP_P, max_tokens=max(max_tokens, LONG_TURN_TOKENS) if o.long else max_tokens,
+                             seed=s) for s, o in zip(seeds, openers)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     bench = spec_bench_texts()
-    texts = [o.outputs[0].text.strip() for o in outs if o.outputs[0].finish_reason == "stop"]
-    return [t for t in texts if t and t not in bench]
+    texts = []
+    for o, out in zip(openers, outs):
+        written = out.outputs[0]
+        if not (o.long or written.finish_reason == "stop"):
+            continue
+        body = written.text.strip()
+        text = (o.text + (" " if o.text and not o.text.endswith("\n") else "") + body).strip() if body else ""
+        if text and text not in bench:
+            texts.append(text)
+    return texts

@@ -1,0 +1,74 @@
+"""Typical acceptance (Medusa, Cai et al. 2024): a LOSSY, opt-in alternative to the lossless
+tree rule, for sampled requests only.
+
+A sampled row accepts a draft node whose token x is "typical" of the target at its parent:
+    p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p)))
+where p is the target's processed distribution at the parent (temperature, top-k, top-p, min-p
+applied, as plain sampling uses it) and H its entropy. The longest path of such nodes is kept,
+then one token is sampled from p at the path's last node. The emitted text is no longer
+distributed exactly as the target's: tokens the target finds plausible are taken without the
+rejection test, so the output leans towards the drafter's choices (more so at high temperature,
+where p is flat and exp(-H) small). Greedy rows are untouched: they follow the target's argmax
+exactly as `tree_verify` does, so greedy output stays identical to plain decoding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sample.logits import SamplingTensors, processed_probs
+from specserve.sample.sampler import draw_noise, race
+from specserve.sample.tree_verifier import TreeVerifyOutput, longest_path
+from specserve.spec.tree import DraftTree
+
+@dataclass(frozen=True, slots=True)
+class TypicalAcceptance:
+    """The rule's two knobs, with Medusa's defaults: a node is accepted when its target
+    probability exceeds min(posterior_threshold, posterior_alpha * exp(-entropy)). Values are
+    checked where users give them (SpeculativeConfig)."""
+
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+
+def typical_tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
+                        generators: list[torch.Generator | None], rule: TypicalAcceptance) -> TreeVerifyOutput:
+    """As `tree_verify` (same shapes: target_logits [B, 1 + N_max, V] at [root, nodes...]),
+    with the typical rule for sampled rows."""
+    rows, width, vocab = target_logits.shape
+    sizes = [t.num_nodes for t in trees]
+    if len(trees) != rows or width != 1 + max(sizes, default=0):
+        raise ValueError(f"target_logits {tuple(target_logits.shape)} must be [{len(trees)}, 1 + {max(sizes, default=0)}, V] "
+                         "for these trees")
+    device = target_logits.device
+    argmax = target_logits.argmax(-1).tolist()  # [B][1 + N_max]
+    sampled = [b for b in range(rows) if not st.greedy_rows[b]]
+    paths: list[list[int]] = [[] for _ in range(rows)]
+    emitted = [0] * rows
+    for b in range(rows):
+        if st.greedy_rows[b]:
+            paths[b] = longest_path(trees[b], lambda c, parent, b=b: trees[b].token_ids[c] == argmax[b][parent])
+            emitted[b] = argmax[b][paths[b][-1] + 1 if paths[b] else 0]
+    if sampled:
+        p = processed_probs(target_logits[sampled], st.select(sampled))  # [S, 1 + N_max, V]
+        entropy = torch.special.entr(p).sum(-1)  # [S, 1 + N_max]
+        bar = torch.clamp(rule.posterior_alpha * torch.exp(-entropy), max=rule.posterior_threshold).tolist()
+        for j, b in enumerate(sampled):
+            tree = trees[b]
+            if tree.num_nodes:
+                parents = torch.tensor(tree.parents, device=device) + 1  # flat index of each node's parent
+                p_x = p[j, parents, torch.tensor(tree.token_ids, device=device)].tolist()  # [N]
+                paths[b] = longest_path(tree, lambda c, parent, j=j, p_x=p_x: p_x[c] > bar[j][parent])
+        _, expo = draw_noise(generators, st.greedy_rows, sizes, max(sizes, default=0), vocab, device)
+        last = [paths[b][-1] + 1 if paths[b] else 0 for b in sampled]
+        picks = race(p[torch.arange(len(sampled), device=device), torch.tensor(last, device=device)],
+                     expo[sampled]).tolist()
+        for b, tok in zip(sampled, picks):
+            emitted[b] = tok
+    depth = max((t.max_depth for t in trees), default=0)
+    out = torch.full((rows, depth + 1), -1, dtype=torch.long)
+    for b, path in enumerate(paths):
+        out[b, : len(path) + 1] = torch.tensor([trees[b].token_ids[i] for i in path] + [emitted[b]])
+    return TreeVerifyOutput(out.to(device), torch.tensor([len(q) for q in paths], device=device), paths)
