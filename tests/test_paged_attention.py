@@ -197,3 +197,46 @@ def test_model_rollback_equals_fresh_run(tiny_model, device):
         mine = torch.cat(got)
         assert mine.shape == ref.shape
         assert (mine - ref).abs().max().item() <= TOL
+
+
+def test_group_rows():
+    from specserve.model.paged_attention import group_rows
+    assert group_rows([100, 120, 90]) is None  # all within the floor: one call
+    assert group_rows([600, 100, 120, 590]) == [[0, 3], [2, 1]]  # longest contexts first
+    assert group_rows([600, 400, 350]) is None  # within a factor 2 of the longest
+    assert group_rows([1000, 260, 100]) == [[0], [1, 2]]
+    assert group_rows([1000, 600, 300]) is None  # two groups reading 1000 + 2 * 600 > 0.75 * 3000
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_rows_match_explicit_softmax(device):
+    """A batch of long and short contexts attends in groups (each padded to its own longest
+    context), decode rows and multi-token rows mixed, one of them a token tree."""
+    g = torch.Generator().manual_seed(11)
+    bs, starts, lens = 16, [900, 40, 700, 10, 850, 3], [1, 3, 4, 1, 2, 5]
+    blocks_each = -(-max(s + q for s, q in zip(starts, lens)) // bs)
+    cache = PagedKVCache(1, len(starts) * blocks_each + 1, bs, HKV, D, torch.float32, device)
+    tables = shuffled_tables(len(starts), blocks_each, len(starts) * blocks_each + 1, seed=3)
+    hist = [(torch.randn(s + q, HKV, D, generator=g), torch.randn(s + q, HKV, D, generator=g)) for s, q in zip(starts, lens)]
+    for i, (hk, hv) in enumerate(hist):  # write each history up to its start
+        if starts[i]:
+            cache.attend(0, torch.zeros(1, starts[i], H, D, device=device), hk[None, : starts[i]].to(device),
+                         hv[None, : starts[i]].to(device), cache.metadata([tables[i]], [0], [starts[i]]))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)  # row 2: a tree
+    meta = cache.metadata(tables, starts, lens, tree_masks=[None, None, tree, None, None, None])
+    assert meta.groups is not None and len(meta.groups) == 2
+    assert [gr.context_len for gr in meta.groups] == [901, 43]
+    t = max(lens)
+    q = torch.randn(len(starts), t, H, D, generator=g)
+    k = torch.stack([torch.cat([hk[s:], torch.zeros(t - q_, HKV, D)]) for (hk, _), s, q_ in zip(hist, starts, lens)])
+    v = torch.stack([torch.cat([hv[s:], torch.zeros(t - q_, HKV, D)]) for (_, hv), s, q_ in zip(hist, starts, lens)])
+    out = cache.attend(0, q.to(device), k.to(device), v.to(device), meta).cpu()
+    for i, (s, n) in enumerate(zip(starts, lens)):
+        if i == 2:  # node j sees the context and its ancestors: explicit softmax per node
+            for j in range(n):
+                seen = list(range(s)) + [s + m for m in range(n) if tree[j, m]]
+                ref = reference_attention(q[i, j:j + 1], hist[i][0][seen], hist[i][1][seen], [len(seen) - 1])
+                assert (out[i, j].double() - ref[0]).abs().max().item() <= TOL
+        else:
+            ref = reference_attention(q[i, :n], hist[i][0], hist[i][1], list(range(s, s + n)))
+            assert (out[i, :n].double() - ref).abs().max().item() <= TOL
