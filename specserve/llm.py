@@ -10,11 +10,11 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.engine import LLMEngine
-from specserve.sample.typical import TypicalAcceptance
 from specserve.engine.kv_budget import memory_budget
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel, load_model
 from specserve.outputs import RequestOutput, SpecStats
+from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
 

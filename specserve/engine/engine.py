@@ -18,7 +18,7 @@ from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import SamplingTensors, VerifyOutput, make_generator, tree_verify, verify
-from specserve.sample.typical import TypicalAcceptance, typical_tree_verify
+from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
 from specserve.spec import DraftProposal, DraftTree, DraftTreeProposal, Proposer, SpecRequest, VerifyFeedback
 from specserve.tokenizer import IncrementalDetokenizer
@@ -244,9 +244,7 @@ class LLMEngine:
                           keep_hidden=self.keep_hidden)
         fwd = self.runner.forward(fb)  # logits [B, 1 + N_max, V]
         st = SamplingTensors.from_params([r.params for r in reqs], fwd.logits.device)
-        gens = [r.generator for r in reqs]
-        out = (tree_verify(trees, fwd.logits, st, gens) if self.typical_acceptance is None
-               else typical_tree_verify(trees, fwd.logits, st, gens, self.typical_acceptance))
+        out = tree_verify(trees, fwd.logits, st, [r.generator for r in reqs], self.typical_acceptance)
         paths = out.accepted_nodes
         # Node i's entry sits at slot start + 1 + i; path entry j belongs at start + 1 + j.
         moved = [(t, [s + 1 + n for n in p], list(range(s + 1, s + 1 + len(p))))

@@ -24,13 +24,13 @@ vocabulary: the same numbers, in the same order, as `verify` draws for a chain o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from specserve.sample.logits import SamplingTensors, processed_probs
 from specserve.sample.sampler import draw_noise, race
+from specserve.sample.typical import TypicalAcceptance, verify_sampled_typical
 from specserve.spec.tree import DraftTree
 
 
@@ -44,9 +44,10 @@ class TreeVerifyOutput:
 
 
 def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
-                generators: list[torch.Generator | None]) -> TreeVerifyOutput:
+                generators: list[torch.Generator | None], typical: TypicalAcceptance | None = None) -> TreeVerifyOutput:
     """trees: one per row; target_logits [B, 1 + N_max, V] raw logits at the flattened nodes
-    ([root, node 0, ...], N_max = the largest node count), rows padded past their own trees."""
+    ([root, node 0, ...], N_max = the largest node count), rows padded past their own trees.
+    typical: sampled rows use that LOSSY rule instead (sample/typical.py); greedy rows never do."""
     rows, width, vocab = target_logits.shape
     sizes = [t.num_nodes for t in trees]
     if len(trees) != rows or width != 1 + max(sizes, default=0):
@@ -61,11 +62,13 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     sampled = [b for b in range(rows) if not st.greedy_rows[b]]
     for b in range(rows):
         if st.greedy_rows[b]:
-            paths.append(longest_path(trees[b], lambda c, parent, b=b: trees[b].token_ids[c] == argmax[b][parent]))
+            paths.append(trees[b].longest_path(lambda c, parent, b=b: trees[b].token_ids[c] == argmax[b][parent]))
             emitted[b] = argmax[b][paths[b][-1] + 1 if paths[b] else 0]
         else:
             paths.append([])
-    if sampled:
+    if sampled and typical is not None:
+        verify_sampled_typical(trees, target_logits, st, generators, sampled, paths, emitted, typical)
+    elif sampled:
         _verify_sampled(trees, target_logits, st, generators, sampled, paths, emitted)
 
     depth = max((t.max_depth for t in trees), default=0)
@@ -73,22 +76,6 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     for b, path in enumerate(paths):
         out[b, : len(path) + 1] = torch.tensor([trees[b].token_ids[i] for i in path] + [emitted[b]])
     return TreeVerifyOutput(out.to(device), torch.tensor([len(p) for p in paths], device=device), paths)
-
-
-def longest_path(tree: DraftTree, ok: Callable[[int, int], bool]) -> list[int]:
-    """The longest path of nodes c with ok(c, flat index of c's parent), the first such in node
-    order where several are equally long."""
-    kids = tree.children()
-
-    def longest(flat: int) -> list[int]:
-        best: list[int] = []
-        for c in kids[flat]:
-            if ok(c, flat):
-                path = [c] + longest(c + 1)
-                if len(path) > len(best):
-                    best = path
-        return best
-    return longest(0)
 
 
 def _verify_sampled(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,

@@ -20,8 +20,8 @@ import torch
 
 from specserve.sample.logits import SamplingTensors, processed_probs
 from specserve.sample.sampler import draw_noise, race
-from specserve.sample.tree_verifier import TreeVerifyOutput, longest_path
 from specserve.spec.tree import DraftTree
+
 
 @dataclass(frozen=True, slots=True)
 class TypicalAcceptance:
@@ -33,42 +33,24 @@ class TypicalAcceptance:
     posterior_alpha: float = 0.3
 
 
-def typical_tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
-                        generators: list[torch.Generator | None], rule: TypicalAcceptance) -> TreeVerifyOutput:
-    """As `tree_verify` (same shapes: target_logits [B, 1 + N_max, V] at [root, nodes...]),
-    with the typical rule for sampled rows."""
-    rows, width, vocab = target_logits.shape
+def verify_sampled_typical(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
+                           generators: list[torch.Generator | None], sampled: list[int], paths: list[list[int]],
+                           emitted: list[int], rule: TypicalAcceptance) -> None:
+    """`tree_verify`'s sampled rows under the typical rule (target_logits [B, 1 + N_max, V] at
+    [root, nodes...]): fills paths[b] and emitted[b] for b in `sampled`."""
+    device, vocab = target_logits.device, target_logits.shape[-1]
     sizes = [t.num_nodes for t in trees]
-    if len(trees) != rows or width != 1 + max(sizes, default=0):
-        raise ValueError(f"target_logits {tuple(target_logits.shape)} must be [{len(trees)}, 1 + {max(sizes, default=0)}, V] "
-                         "for these trees")
-    device = target_logits.device
-    argmax = target_logits.argmax(-1).tolist()  # [B][1 + N_max]
-    sampled = [b for b in range(rows) if not st.greedy_rows[b]]
-    paths: list[list[int]] = [[] for _ in range(rows)]
-    emitted = [0] * rows
-    for b in range(rows):
-        if st.greedy_rows[b]:
-            paths[b] = longest_path(trees[b], lambda c, parent, b=b: trees[b].token_ids[c] == argmax[b][parent])
-            emitted[b] = argmax[b][paths[b][-1] + 1 if paths[b] else 0]
-    if sampled:
-        p = processed_probs(target_logits[sampled], st.select(sampled))  # [S, 1 + N_max, V]
-        entropy = torch.special.entr(p).sum(-1)  # [S, 1 + N_max]
-        bar = torch.clamp(rule.posterior_alpha * torch.exp(-entropy), max=rule.posterior_threshold).tolist()
-        for j, b in enumerate(sampled):
-            tree = trees[b]
-            if tree.num_nodes:
-                parents = torch.tensor(tree.parents, device=device) + 1  # flat index of each node's parent
-                p_x = p[j, parents, torch.tensor(tree.token_ids, device=device)].tolist()  # [N]
-                paths[b] = longest_path(tree, lambda c, parent, j=j, p_x=p_x: p_x[c] > bar[j][parent])
-        _, expo = draw_noise(generators, st.greedy_rows, sizes, max(sizes, default=0), vocab, device)
-        last = [paths[b][-1] + 1 if paths[b] else 0 for b in sampled]
-        picks = race(p[torch.arange(len(sampled), device=device), torch.tensor(last, device=device)],
-                     expo[sampled]).tolist()
-        for b, tok in zip(sampled, picks):
-            emitted[b] = tok
-    depth = max((t.max_depth for t in trees), default=0)
-    out = torch.full((rows, depth + 1), -1, dtype=torch.long)
-    for b, path in enumerate(paths):
-        out[b, : len(path) + 1] = torch.tensor([trees[b].token_ids[i] for i in path] + [emitted[b]])
-    return TreeVerifyOutput(out.to(device), torch.tensor([len(q) for q in paths], device=device), paths)
+    p = processed_probs(target_logits[sampled], st.select(sampled))  # [S, 1 + N_max, V]
+    entropy = torch.special.entr(p).sum(-1)  # [S, 1 + N_max]
+    bar = torch.clamp(rule.posterior_alpha * torch.exp(-entropy), max=rule.posterior_threshold).tolist()
+    for j, b in enumerate(sampled):
+        tree = trees[b]
+        if tree.num_nodes:
+            parents = torch.tensor(tree.parents, device=device) + 1  # flat index of each node's parent
+            p_x = p[j, parents, torch.tensor(tree.token_ids, device=device)].tolist()  # [N]
+            paths[b] = tree.longest_path(lambda c, parent, j=j, p_x=p_x: p_x[c] > bar[j][parent])
+    _, expo = draw_noise(generators, st.greedy_rows, sizes, max(sizes, default=0), vocab, device)
+    last = torch.tensor([paths[b][-1] + 1 if paths[b] else 0 for b in sampled], device=device)
+    picks = race(p[torch.arange(len(sampled), device=device), last], expo[sampled]).tolist()  # [S]
+    for b, tok in zip(sampled, picks):
+        emitted[b] = tok

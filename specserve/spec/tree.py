@@ -13,7 +13,7 @@ the root and its own ancestors only (`attention_mask`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +118,21 @@ class DraftTree:
         for i, p in enumerate(self.parents):
             out[p + 1].append(i)
         return out
+
+    def longest_path(self, ok: Callable[[int, int], bool]) -> list[int]:
+        """The longest path from the root of nodes c with ok(c, flat index of c's parent), the
+        first such in node order where several are equally long."""
+        kids = self.children()
+
+        def longest(flat: int) -> list[int]:
+            best: list[int] = []
+            for c in kids[flat]:
+                if ok(c, flat):
+                    path = [c] + longest(c + 1)
+                    if len(path) > len(best):
+                        best = path
+            return best
+        return longest(0)
 
     def paths(self) -> list[list[int]]:
         """Node indices of every root-to-leaf path, depth first with children in node order."""

@@ -18,18 +18,22 @@ _SENTINEL = "\u2063specserve-user-turn\u2063"
 # ones spread over more topics.
 PROMPT_TEMPERATURES = (0.7, 0.85, 1.0, 1.1)
 PROMPT_TOP_P = 0.95
+
+
+@dataclass(frozen=True, slots=True)
+class Opener:
+    """The first words of a self-written user turn; long: a document follows."""
+
+    text: str
+    long: bool = False
+
+
 # How self-written user turns begin, cycled by seed: the target writes the rest. Free turns
 # alone are mostly small talk and short questions; these openings spread the data over the
 # kinds of requests a served model gets (writing, role play, reasoning, math, code, extraction,
 # explanations, translation, and long documents to summarize or answer from), without taking
 # any benchmark prompt. A long opening's turn may run to LONG_TURN_TOKENS and is kept even when
 # cut there (the request comes first, the document after it).
-@dataclass(frozen=True, slots=True)
-class Opener:
-    text: str
-    long: bool = False
-
-
 TASK_OPENERS = (
     Opener(""), Opener(""), Opener(""),
     Opener("Write a short story about"), Opener("Write a blog post about"), Opener("Write an email to"),
