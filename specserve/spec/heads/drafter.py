@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specserve.errors import InvalidParameterError, ModelLoadError
-from specserve.model.linear import can_pack, pack_linears
+from specserve.hardware import can_pack, drafter_dtype
+from specserve.model.linear import pack_linears
 from specserve.model.loader import LoadedModel
 from specserve.spec.heads.config import CONFIG_FILE, SAVE_DTYPES, WEIGHTS_FILE, DrafterConfig, TargetIdentity
 from specserve.spec.heads.modules import DraftVocab, EagleHead, MedusaHeads
@@ -121,9 +122,10 @@ def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool
     drafter = bind(config, heads, draft_ids, target)
     if for_inference:
         # Drafting reads every drafter weight once per pass of a few rows, so the time is the
-        # bytes moved: bfloat16 (the default save dtype) halves it. The output stays exact:
-        # only the candidates change, and the target verifies them.
-        dtype, device = SAVE_DTYPES[config.dtype], target.model.device
+        # bytes moved: bfloat16 (the default save dtype) halves it, where the CPU has it. The
+        # output stays exact: only the candidates change, and the target verifies them.
+        device = target.model.device
+        dtype = drafter_dtype(SAVE_DTYPES[config.dtype], device)
         drafter.heads.to(dtype).eval().requires_grad_(False)
         drafter.vocab.to(dtype)
         drafter.dtype = dtype
