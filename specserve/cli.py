@@ -141,7 +141,9 @@ def _generate(args) -> int:
     t = time.perf_counter()
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=1)
-    print(f"Loaded {loaded.name} in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    print(f"Loaded {loaded.name} in {time.perf_counter() - t:.1f}s ({loaded.kernels})", file=sys.stderr)
+    if loaded.notice:
+        print(loaded.notice, file=sys.stderr)
     tok = llm.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]

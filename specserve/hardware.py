@@ -174,6 +174,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and machine().native_bf16
 
 
+def torch_path(device: torch.device, dtype: torch.dtype) -> str:
+    """How the torch path multiplies in this dtype here, for load lines and benchmark headers."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if device.type != "cpu":
+        return f"{dtype_name} torch on {device}"
+    how = "oneDNN-packed linears" if can_pack(device, dtype) else "torch generic linears"
+    return f"{dtype_name} {how}, CPU path {machine().isa.label}"
+
+
 def bf16_notice(device: torch.device, dtype: torch.dtype) -> str | None:
     """The one line to print when bfloat16 is asked for on a CPU without native bfloat16: it
     works, through torch's generic kernels, unpacked."""

@@ -126,17 +126,18 @@ def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lo
     return out
 
 
-def machine_info(device) -> dict:
+def machine_info(device, kernels: str) -> dict:
+    """The machine line of every report: CPU and the kernel path chosen on it (specserve.hardware)."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(), "device": str(device)}
+    from specserve.hardware import machine
+
+    m = machine()
+    info = {"cpu": m.cpu_name, "arch": m.arch, "cores": m.cores, "cpu_path": m.isa.label,
+            "cpu_detected": m.detected.label, "kernels": kernels, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "device": str(device)}
+    if m.forced:
+        info["forced_by"] = f"SPECSERVE_CPU_ISA={m.forced}"
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
@@ -180,7 +181,7 @@ def run_bench(args) -> int:
     if not fitting:
         raise InvalidParameterError("max_model_len", max_len, f"no selected prompt leaves room for {args.max_tokens} "
                                     "new tokens; raise --max-model-len or lower --max-tokens")
-    machine = machine_info(loaded.model.device)
+    machine = machine_info(loaded.model.device, loaded.kernels)
     categories = [c for c, _ in fitting]
     workload = {"name": args.workload, "num_prompts": len(fitting), "skipped_too_long": len(encoded) - len(fitting),
                 "categories": {c: categories.count(c) for c in dict.fromkeys(categories)},

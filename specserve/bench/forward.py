@@ -12,15 +12,13 @@ median is reported, because the machines this runs on are shared and noisy.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.hardware import machine
 from specserve.model.loader import load_model
 
 
@@ -41,15 +39,6 @@ def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int,
     return times
 
 
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
@@ -59,7 +48,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = ap.parse_args()
-    print(f"# {cpu_name()} ({os.cpu_count()} cpus), torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"# {machine().describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"device {args.device}, model {args.model}, context {args.context}, median of {args.rounds} rounds")
     print(f"{'dtype':<10}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes) + f"{'T=max/T=1':>11}")
     for dtype in args.dtypes:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from specserve.errors import InvalidParameterError, ModelLoadError
+from specserve.hardware import bf16_notice, torch_path
 from specserve.model.config import ModelConfig
 from specserve.model.gguf_loader import load_gguf_model, open_gguf, read_gguf_config
 from specserve.model.hf_loader import load_hf_model, read_hf_config
@@ -30,6 +31,8 @@ class LoadedModel:
     config: ModelConfig
     path: Path
     name: str  # short name for figures and the server's model list
+    kernels: str = ""  # how its passes compute here (load lines, benchmark headers)
+    notice: str | None = None  # one line the user should see about that choice, if any
 
 
 def default_model_path() -> Path:
@@ -106,4 +109,5 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "floa
         raise ModelLoadError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has only {cfg.vocab_size}"
         )
-    return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name)
+    return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name,
+                       kernels=torch_path(dev, torch_dtype), notice=bf16_notice(dev, torch_dtype))

@@ -16,7 +16,7 @@ from specserve.model.loader import load_model
 from specserve.spec.heads import Drafter, load_drafter, new_drafter, save_drafter
 from specserve.train.config import TrainDraftConfig
 from specserve.train.batches import choose_draft_vocab, split, vocab_coverage, vocab_index
-from specserve.train.data import DataPlan, Recorded, build_data, load_data
+from specserve.train.data import DataPlan, build_data, load_data
 from specserve.train.evaluate import HeldOutReport, choose_tree, evaluate
 from specserve.train.prompts import read_prompt_file
 from specserve.train.trainer import (Checkpoint, TrainPlan, checkpoint_vocab, has_checkpoint, load_checkpoint,
