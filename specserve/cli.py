@@ -11,7 +11,11 @@ from specserve.errors import SpecserveError
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="Hugging Face model folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="torch path dtype; an explicit dtype asks for the torch path (float32: the exact reference)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="auto: a quantized GGUF runs on its own blocks with specserve's native kernels, anything else "
+                        "on the torch path; int8 / int4: quantize float weights at load (Q8_0 / Q4_1); none: torch path")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--max-model-len", type=int, default=None, help="context tokens per request (default: min(model context, 4096))")
 
@@ -137,9 +141,9 @@ def _generate(args) -> int:
         print("note: --acceptance-method typical_acceptance_sampler is lossy: sampled output is not exactly the "
               "target model's distribution (greedy output is unchanged)", file=sys.stderr)
 
-    print(f"Loading {args.model} ({args.dtype}, {args.device}) ...", file=sys.stderr)
+    print(f"Loading {args.model} ...", file=sys.stderr)
     t = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=1)
     print(f"Loaded {loaded.name} in {time.perf_counter() - t:.1f}s ({loaded.kernels})", file=sys.stderr)
     if loaded.notice:

@@ -163,6 +163,44 @@ def emulation_env(level: Isa | str) -> dict[str, str]:
 
 # ---- kernel paths ----------------------------------------------------------------------------
 
+# How weights are computed on: "none" the torch path at a float dtype; "gguf" a quantized GGUF's
+# own blocks on the native kernels; "int8" / "int4" float weights quantized at load (Q8_0 / Q4_1)
+# for the native kernels; "auto" picks (see choose_quantization).
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+
+
+def native_level() -> int | None:
+    """The CPU level to run specserve's native kernels at, or None when they are unavailable
+    (not built: the reason is printed once by specserve.native.load)."""
+    from specserve import native
+
+    return None if native.load() is None else int(min(machine().isa, Isa.AVX512_VNNI))
+
+
+def choose_quantization(quantization: str, dtype_given: bool, device: torch.device, quantized_file: bool) -> str:
+    """The weight path of a load. "auto": a quantized GGUF runs on its own blocks with the native
+    kernels (on a CPU, with the kernels built, no --dtype asked for); everything else on the
+    torch path, where an explicit --dtype float32 stays the exact reference. An explicit
+    quantization falls back to the torch path only when the kernels are unavailable."""
+    if quantization not in QUANTIZATIONS:
+        raise InvalidParameterError("quantization", quantization, f"must be one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return "none"
+    if quantization == "auto":
+        if dtype_given or not quantized_file or device.type != "cpu":
+            return "none"
+        quantization = "gguf"
+    if dtype_given:
+        raise InvalidParameterError("dtype", "given with quantization", f"the {quantization} path computes with float32 "
+                                    "activations of its own; leave --dtype out, or use --quantization none")
+    if device.type != "cpu":
+        raise InvalidParameterError("quantization", quantization, f"the native kernels run on the CPU; on {device} "
+                                    "use --quantization none")
+    if quantization == "gguf" and not quantized_file:
+        raise InvalidParameterError("quantization", quantization, "needs a quantized GGUF file; for float weights "
+                                    "use int8 or int4")
+    return quantization if native_level() is not None else "none"
+
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN-prepacked linears (model/linear.py) run here: on a CPU with oneDNN, in

@@ -30,13 +30,14 @@ class LLM:
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
     """
 
-    def __init__(self, model: str | None = "default", *, dtype: str = "float32", device: str | None = "cpu",
+    def __init__(self, model: str | None = "default", *, dtype: str = "auto", device: str | None = "cpu",
+                 quantization: str = "auto",
                  speculative_config: dict | SpeculativeConfig | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 4, seed: int = 0, loaded: LoadedModel | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | float | None = None,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True):
         self.spec_config = SpeculativeConfig.from_dict(speculative_config)
-        self.target = loaded or load_model(model, dtype=dtype, device=device)
+        self.target = loaded or load_model(model, dtype=dtype, device=device, quantization=quantization)
         context = self.target.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)

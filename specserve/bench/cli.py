@@ -171,7 +171,7 @@ def run_bench(args) -> int:
     if concurrency is not None and peers:
         print(f"note: peers ({', '.join(peers)}) run in latency mode only; skipped with --concurrency", file=sys.stderr)
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     baseline = SpecserveRunner(Config("none"), LLM(loaded=loaded, max_model_len=args.max_model_len, max_num_seqs=1))
     max_len = baseline.llm.engine_config.max_model_len
     # Only prompts with room for max_tokens in the context, so that no configuration stops early

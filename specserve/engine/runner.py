@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.attention import DenseKVCache
+from specserve.model.flat_batch import flat_batch
 from specserve.model.llama import LlamaModel
 from specserve.model.paged_attention import PagedKVCache
 
@@ -65,6 +66,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if getattr(self.model, "native", False):
+            return self._forward_flat(batch)
         lens = [len(t) for t in batch.token_ids]
         t = max(lens)
         # Padded in Python, so that the step's ids cost one tensor, not one per request.
@@ -80,9 +83,36 @@ class ModelRunner:
             hidden = hidden[torch.arange(len(lens), device=self.device), last].unsqueeze(1)  # [B, 1, hidden]
         return ForwardOutput(self.model.compute_logits(hidden), kept)
 
+    def _forward_flat(self, batch: ForwardBatch) -> ForwardOutput:
+        """The native model's pass: the batch's tokens flattened, no padding computed."""
+        if isinstance(self.cache, PagedKVCache):
+            tables, block_size = batch.locations, self.cache.block_size
+        else:  # a dense slot is one block of `stride` rows
+            tables, block_size = [[slot] for slot in batch.locations], self.cache.stride
+        flat = flat_batch(batch.token_ids, tables, block_size, batch.start_positions, batch.tree_masks)
+        k, v = self.cache.k, self.cache.v  # [layers, blocks, block_size, Hkv, D] or [layers, rows, Hkv, D]
+        hidden = self.model.forward_flat(flat, k.view(k.shape[0], -1, *k.shape[-2:]),
+                                         v.view(v.shape[0], -1, *v.shape[-2:]))  # [N, hidden]
+        starts = flat.q_start.tolist()
+        kept = [hidden[a:b] for a, b in zip(starts, starts[1:])] if batch.keep_hidden else None
+        if not batch.all_logits:
+            return ForwardOutput(self.model.compute_logits(hidden[flat.ends]).unsqueeze(1), kept)  # [B, 1, V]
+        logits = self.model.compute_logits(hidden)  # [N, V]
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        t = max(lens)
+        if min(lens) == t:
+            return ForwardOutput(logits.view(len(lens), t, -1), kept)
+        # Ragged: padded to [B, T, V] with zero logits where a request has no token.
+        padded = logits.new_zeros(len(lens) * t, logits.shape[-1])
+        rows = torch.cat([torch.arange(i * t, i * t + n) for i, n in enumerate(lens)])
+        return ForwardOutput(padded.index_copy_(0, rows, logits).view(len(lens), t, -1), kept)
+
     def forward_last(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits at each request's last token [B, 1, V], for a batch of ragged lengths (prompt
-        chunks): split into passes whose padding stays small, results in batch order."""
+        chunks): split into passes whose padding stays small, results in batch order. (The
+        native model computes no padding: one pass.)"""
+        if getattr(self.model, "native", False):
+            return self.forward(batch)
         groups = _padding_groups([len(t) for t in batch.token_ids])
         if len(groups) == 1:
             return self.forward(batch)

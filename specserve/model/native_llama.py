@@ -1,0 +1,217 @@
+"""The Llama-family model on specserve's native kernels: weights kept as GGUF blocks.
+
+A quantized GGUF's matrices stay in their own block formats (repacked for the kernels, the
+bits unchanged); float weights (a Hugging Face folder, a float GGUF, a block format without a
+kernel) are quantized at load to Q8_0 (`int8`) or Q4_1 (`int4`). A pass is one call into C++
+(specserve/native/csrc/model.cpp) over the flattened tokens of the batch, and every kernel
+computes a token's row from that token's inputs alone: a token's logits are bit-identical
+whether it is decoded alone, verified among draft tokens, or batched with other requests.
+
+Activations are float32 between the kernels and quantized to int8 per 32-element block before
+each product, as llama.cpp does; the float32 torch path (`--dtype float32`) stays the exact
+reference that the tests compare with transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from torch import nn
+
+from specserve.errors import ModelLoadError
+from specserve.model.config import ModelConfig
+from specserve.model.flat_batch import FlatBatch
+from specserve.model.llama import RotaryEmbedding
+
+# What --quantization asks for a float weight, and the format a weight without a kernel of its
+# own is requantized to.
+QUANT_FORMATS = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_1}
+FALLBACK_FORMAT = GGMLQuantizationType.Q8_0
+_UNIT_ROWS = 16
+
+
+@dataclass(slots=True)
+class Blocks:
+    """A weight as GGUF blocks: raw [rows, row_bytes] uint8 of `format`, a [rows, cols] matrix."""
+
+    format: GGMLQuantizationType
+    raw: np.ndarray
+    rows: int
+    cols: int
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [rows, cols], the gguf package's reference dequantization."""
+        return torch.from_numpy(np.asarray(dequantize(self.raw, self.format), dtype=np.float32).reshape(self.rows, self.cols))
+
+    def take_rows(self, order: np.ndarray) -> Blocks:
+        return Blocks(self.format, np.ascontiguousarray(self.raw[order]), self.rows, self.cols)
+
+
+Weight = Blocks | torch.Tensor
+
+
+def kernel_formats(ext: ModuleType) -> set[GGMLQuantizationType]:
+    """Block formats the native kernels compute on directly."""
+    return {t for t in GGMLQuantizationType if ext.unit_bytes(int(t)) > 0}
+
+
+def as_blocks(w: Weight, fmt: GGMLQuantizationType, kernels: set[GGMLQuantizationType], requantize: bool) -> Blocks:
+    """`w` in a format the kernels take: its own blocks when they have a kernel and `requantize`
+    is off, else quantized to `fmt` from float32."""
+    if isinstance(w, Blocks) and w.format in kernels and not requantize:
+        return w
+    dense = w.dequantized() if isinstance(w, Blocks) else w.float()
+    rows, cols = dense.shape
+    if cols % 32:
+        raise ModelLoadError(f"a weight of {cols} columns cannot be quantized in 32-element blocks")
+    return Blocks(fmt, quantize(dense.numpy(), fmt), rows, cols)
+
+
+class _VocabProjection(nn.Module):
+    """The vocabulary projection for drafters that read its rows: `weight` [V, H] float32,
+    dequantized from the blocks when asked (the engine itself never needs it)."""
+
+    def __init__(self, blocks: Blocks, vocab: int):
+        super().__init__()
+        self._blocks, self._vocab = blocks, vocab
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._blocks.dequantized()[: self._vocab]
+
+
+class NativeLlamaModel(nn.Module):
+    """forward_flat(batch, cache) -> final hidden states [N, hidden]; compute_logits(hidden
+    [..., hidden]) -> float32 logits [..., vocab]. CPU only, float32 activations and KV cache."""
+
+    native = True
+
+    def __init__(self, cfg: ModelConfig, core, embed_tokens: nn.Embedding, lm_head: nn.Module, level: int,
+                 description: str):
+        super().__init__()
+        self.config = cfg
+        self.core = core
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.level = level
+        self.description = description
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def forward_flat(self, batch: FlatBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float32 (the pools, viewed by
+        cache row) -> hidden [N, hidden]."""
+        x = self.embed_tokens(batch.token_ids)  # [N, hidden]
+        return self.core.forward(self.level, x, batch.positions, batch.slots, k_cache, v_cache, batch.block_size,
+                                 batch.q_start, batch.block_table, batch.prefix_len, batch.tree_row,
+                                 batch.tree_start, batch.tree_size, batch.tree_mask)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1]).float()
+        logits = self.core.logits(self.level, flat)[:, : self.config.vocab_size]
+        return logits.reshape(*hidden.shape[:-1], self.config.vocab_size)
+
+
+def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantization: str, ext: ModuleType,
+                       level: int, permute_qk: bool) -> NativeLlamaModel:
+    """The model from Hugging Face-named weights (Blocks or float tensors). `quantization`:
+    "gguf" keeps blocks that have a kernel (others become FALLBACK_FORMAT), "int8" / "int4"
+    quantize every matrix to Q8_0 / Q4_1. `permute_qk`: undo llama.cpp's q/k row order."""
+    kernels = kernel_formats(ext)
+    requantize = quantization in QUANT_FORMATS
+    fmt = QUANT_FORMATS.get(quantization, FALLBACK_FORMAT)
+    used: set[str] = set()
+
+    def take(name: str) -> Weight:
+        if name not in weights:
+            raise ModelLoadError(f"checkpoint lacks {name} for a {cfg.architecture} model of this config")
+        used.add(name)
+        return weights[name]
+
+    def vector(name: str) -> torch.Tensor:
+        w = take(name)
+        return (w.dequantized() if isinstance(w, Blocks) else w).float().reshape(-1).contiguous()
+
+    def matrix(name: str, heads: int | None = None) -> Blocks:
+        w = as_blocks(take(name), fmt, kernels, requantize)
+        if heads is not None and permute_qk:
+            w = w.take_rows(_unpermuted_rows(w.rows, heads))
+        if w.rows % _UNIT_ROWS:
+            raise ModelLoadError(f"{name} has {w.rows} rows; the native kernels need a multiple of {_UNIT_ROWS}")
+        return w
+
+    def stacked(parts: list[Blocks], biases: list[torch.Tensor] | None = None):
+        mats = [ext.QMatrix(int(b.format), ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols), b.rows, b.cols,
+                            None if biases is None else biases[i]) for i, b in enumerate(parts)]
+        return ext.Stacked(mats)
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        q = matrix(p + "self_attn.q_proj.weight", cfg.num_heads)
+        k = matrix(p + "self_attn.k_proj.weight", cfg.num_kv_heads)
+        v = matrix(p + "self_attn.v_proj.weight")
+        biases = None
+        if cfg.attention_bias:
+            biases = [vector(p + "self_attn.q_proj.bias"), vector(p + "self_attn.k_proj.bias"),
+                      vector(p + "self_attn.v_proj.bias")]
+            if permute_qk:
+                biases[0] = biases[0][torch.from_numpy(_unpermuted_rows(cfg.q_size, cfg.num_heads))].contiguous()
+                biases[1] = biases[1][torch.from_numpy(_unpermuted_rows(cfg.kv_size, cfg.num_kv_heads))].contiguous()
+        layers.append(ext.Layer(
+            attn_norm=vector(p + "input_layernorm.weight"), ffn_norm=vector(p + "post_attention_layernorm.weight"),
+            qkv=stacked([q, k, v], biases), o=stacked([matrix(p + "self_attn.o_proj.weight")]),
+            gate_up=stacked([matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")]),
+            down=stacked([matrix(p + "mlp.down_proj.weight")])))
+
+    embed = take("model.embed_tokens.weight")
+    head_source = embed if cfg.tie_word_embeddings else take("lm_head.weight")
+    head = as_blocks(head_source, fmt, kernels, requantize)
+    padded = -(-head.rows // _UNIT_ROWS) * _UNIT_ROWS
+    if padded != head.rows:
+        pad = np.zeros((padded - head.rows, head.raw.shape[1]), dtype=np.uint8)
+        head = Blocks(head.format, np.concatenate([head.raw, pad]), padded, head.cols)
+    lm_head = ext.QMatrix(int(head.format), ext.repack(int(head.format), torch.from_numpy(head.raw), head.cols),
+                          head.rows, head.cols)
+    embed_weight = embed.dequantized() if isinstance(embed, Blocks) else embed.float()
+    final_norm = vector("model.norm.weight")
+    unused = sorted(n for n in set(weights) - used - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ModelLoadError(f"checkpoint has weights a {cfg.architecture} model does not use: {unused[:5]}")
+
+    rotary = RotaryEmbedding(cfg)  # cos: [max_pos, head_dim] as [c, c]; the kernels take one half
+    half = cfg.head_dim // 2
+    core = ext.NativeModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                           cfg.rms_norm_eps, layers, final_norm, lm_head,
+                           rotary.cos[:, :half].contiguous(), rotary.sin[:, half:].contiguous())
+    formats = sorted({GGMLQuantizationType(m).name for m in _formats_of(weights, used, kernels, requantize, fmt)})
+    return NativeLlamaModel(cfg, core, nn.Embedding.from_pretrained(embed_weight, freeze=True),
+                            _VocabProjection(head, cfg.vocab_size), level, "/".join(formats))
+
+
+def _formats_of(weights: dict[str, Weight], used: set[str], kernels, requantize: bool, fmt) -> set[int]:
+    out = set()
+    for name in used:
+        w = weights[name]
+        if name.endswith("norm.weight") or name.endswith(".bias"):
+            continue
+        out.add(int(w.format) if isinstance(w, Blocks) and w.format in kernels and not requantize else int(fmt))
+    return out
+
+
+def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's converter permutation of q/k (interleaved-pair RoPE back
+    to rotate-half), as gguf_loader._unpermute does to float weights."""
+    idx = np.arange(rows)
+    return idx.reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)

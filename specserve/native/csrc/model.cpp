@@ -1,0 +1,276 @@
+// A Llama-family model's forward pass in one call: every layer's RMSNorm, fused qkv product,
+// RoPE, KV write, paged attention, o product with the residual, RMSNorm, fused gate/up product,
+// SiLU x up and down product with the residual, then the final norm. The weights stay GGUF blocks
+// (repacked units, qgemm.h); activations are float32 between the kernels and quantized per
+// 32-element block right before each product. Every kernel computes a token's row from that
+// token's inputs alone, so a token's hidden state never depends on the other tokens in the pass.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "layer_ops.h"
+#include "qgemm.h"
+
+namespace specserve {
+
+void quantize_rows(int level, const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act);
+void gemm_rows(int level, int format, const uint8_t* units, int64_t rows, int64_t nb, const ActBlock* act, int64_t n,
+               const float* bias, const float* residual, int64_t ldr, float* y, int64_t ldy);
+
+namespace {
+
+// A weight matrix [rows, cols] as packed units; rows padded to a multiple of 16 inside `units`.
+struct QMatrix {
+  int64_t format;
+  torch::Tensor units;  // uint8 [rows / 16, cols / 32, unit_bytes]
+  int64_t rows, cols;
+  torch::Tensor bias;  // float32 [rows] or undefined
+
+  QMatrix(int64_t format_, torch::Tensor units_, int64_t rows_, int64_t cols_, c10::optional<torch::Tensor> bias_)
+      : format(format_), units(std::move(units_)), rows(rows_), cols(cols_) {
+    TORCH_CHECK(format_supported(static_cast<int>(format)), "weight format ", format, " has no kernel");
+    TORCH_CHECK(units.dtype() == torch::kUInt8 && units.dim() == 3 && units.is_contiguous(),
+                "units must come from repack");
+    TORCH_CHECK(rows % kUnitRows == 0 && units.size(0) * kUnitRows == rows, "a fused matrix needs rows padded to 16");
+    TORCH_CHECK(cols % kBlock == 0 && units.size(1) * kBlock == cols, "units do not hold ", cols, " columns");
+    TORCH_CHECK(units.size(2) == static_cast<int64_t>(unit_bytes(static_cast<int>(format))), "units of another format");
+    if (bias_ && bias_->defined()) {
+      TORCH_CHECK(bias_->dtype() == torch::kFloat32 && bias_->numel() == rows && bias_->is_contiguous(),
+                  "bias must be contiguous float32 [rows]");
+      bias = *bias_;
+    }
+  }
+
+  // y[t, 0..rows) = act[t] W^T (+ bias) (+ residual: may alias y).
+  void apply(int level, const ActBlock* act, int64_t n, const float* residual, int64_t ldr, float* y,
+             int64_t ldy) const {
+    gemm_rows(level, static_cast<int>(format), units.data_ptr<uint8_t>(), rows, cols / kBlock, act, n,
+              bias.defined() ? bias.data_ptr<float>() : nullptr, residual, ldr, y, ldy);
+  }
+};
+
+// Matrices stacked by rows ([q | k | v], [gate | up]), each in its own format: quantized GGUFs
+// often mix formats within a layer (Q4_K_M keeps attn_v in Q6_K next to Q4_K q and k).
+struct Stacked {
+  std::vector<QMatrix> parts;
+  int64_t rows = 0, cols = 0;
+
+  explicit Stacked(std::vector<QMatrix> parts_) : parts(std::move(parts_)) {
+    TORCH_CHECK(!parts.empty(), "a matrix needs at least one part");
+    cols = parts[0].cols;
+    for (const QMatrix& p : parts) {
+      TORCH_CHECK(p.cols == cols, "stacked parts must have the same columns");
+      rows += p.rows;
+    }
+  }
+
+  void apply(int level, const ActBlock* act, int64_t n, const float* residual, int64_t ldr, float* y,
+             int64_t ldy) const {
+    int64_t col = 0;
+    for (const QMatrix& p : parts) {
+      p.apply(level, act, n, residual ? residual + col : nullptr, ldr, y + col, ldy);
+      col += p.rows;
+    }
+  }
+};
+
+struct Layer {
+  torch::Tensor attn_norm, ffn_norm;  // float32 [hidden]
+  Stacked qkv, o, gate_up, down;  // qkv: [q | k | v] rows; gate_up: [gate | up] rows
+};
+
+void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 1 && t.size(0) == n && t.is_contiguous(), what,
+              " must be contiguous float32 [", n, "]");
+}
+
+void check_index(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.dtype() == torch::kInt64 && t.is_contiguous() && t.numel() == n, what, " must be contiguous int64 [",
+              n, "]");
+}
+
+}  // namespace
+
+class NativeModel {
+ public:
+  NativeModel(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+              std::vector<Layer> layers, torch::Tensor final_norm, QMatrix lm_head, torch::Tensor cos,
+              torch::Tensor sin)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), inter_(intermediate),
+        eps_(static_cast<float>(eps)), layers_(std::move(layers)), final_norm_(std::move(final_norm)),
+        lm_head_(std::move(lm_head)), cos_(std::move(cos)), sin_(std::move(sin)) {
+    TORCH_CHECK(hidden % kBlock == 0 && intermediate % kBlock == 0 && head_dim % 16 == 0,
+                "hidden, intermediate sizes must be multiples of 32 and head_dim of 16");
+    TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
+    const int64_t qkv_rows = (heads + 2 * kv_heads) * head_dim;
+    for (const Layer& l : layers_) {
+      check_vector(l.attn_norm, hidden, "attn_norm");
+      check_vector(l.ffn_norm, hidden, "ffn_norm");
+      TORCH_CHECK(l.qkv.rows == qkv_rows && l.qkv.cols == hidden, "qkv must be [", qkv_rows, ", ", hidden, "]");
+      TORCH_CHECK(l.o.rows == hidden && l.o.cols == heads * head_dim, "o must be [hidden, heads * head_dim]");
+      TORCH_CHECK(l.gate_up.rows == 2 * intermediate && l.gate_up.cols == hidden, "gate_up must be [2 * inter, hidden]");
+      TORCH_CHECK(l.down.rows == hidden && l.down.cols == intermediate, "down must be [hidden, intermediate]");
+    }
+    check_vector(final_norm_, hidden, "final_norm");
+    TORCH_CHECK(lm_head_.cols == hidden, "lm_head must have hidden columns");
+    TORCH_CHECK(cos_.dtype() == torch::kFloat32 && cos_.dim() == 2 && cos_.size(1) == head_dim / 2 &&
+                    cos_.is_contiguous() && sin_.sizes() == cos_.sizes() && sin_.is_contiguous(),
+                "cos and sin must be contiguous float32 [max_positions, head_dim / 2]");
+  }
+
+  // x: float32 [n, hidden] embeddings -> final hidden states [n, hidden] (after the final norm).
+  // k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float32, `rows` slots per layer
+  // grouped in blocks of block_size; slots[i] is where token i's key and value go.
+  torch::Tensor forward(int64_t level, torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
+                        torch::Tensor k_cache, torch::Tensor v_cache, int64_t block_size, torch::Tensor q_start,
+                        torch::Tensor block_table, torch::Tensor prefix_len, c10::optional<torch::Tensor> tree_row,
+                        c10::optional<torch::Tensor> tree_start, c10::optional<torch::Tensor> tree_size,
+                        c10::optional<torch::Tensor> tree_mask) {
+    const int lv = static_cast<int>(level);
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous(),
+                "x must be contiguous float32 [n, hidden]");
+    const int64_t n = x.size(0);
+    check_index(positions, n, "positions");
+    check_index(slots, n, "slots");
+    check_index(prefix_len, n, "prefix_len");
+    const int64_t num_layers = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && k_cache.dim() == 4 &&
+                    k_cache.size(0) == num_layers && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_ &&
+                    v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                    v_cache.dtype() == torch::kFloat32,
+                "k_cache and v_cache must be contiguous float32 [layers, rows, kv_heads, head_dim]");
+    const int64_t cache_rows = k_cache.size(1);
+    TORCH_CHECK(block_size >= 1 && cache_rows % block_size == 0, "cache rows must be whole blocks");
+    TORCH_CHECK(q_start.dtype() == torch::kInt64 && q_start.is_contiguous() && q_start.dim() == 1 &&
+                    q_start.size(0) >= 2 && q_start[-1].item<int64_t>() == n,
+                "q_start must be int64 [num_seqs + 1] ending at the token count");
+    const int64_t num_seqs = q_start.size(0) - 1;
+    TORCH_CHECK(block_table.dtype() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == num_seqs &&
+                    block_table.is_contiguous(),
+                "block_table must be contiguous int64 [num_seqs, blocks]");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i)
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < cache_rows, "slot ", slot[i], " is outside the cache");
+
+    AttentionBatch batch{};
+    batch.num_seqs = num_seqs;
+    batch.q_start = q_start.data_ptr<int64_t>();
+    batch.block_table = block_table.data_ptr<int64_t>();
+    batch.bt_stride = block_table.size(1);
+    batch.prefix_len = prefix_len.data_ptr<int64_t>();
+    if (tree_row && tree_row->defined()) {
+      TORCH_CHECK(tree_start && tree_size && tree_mask, "a tree needs tree_start, tree_size and tree_mask");
+      check_index(*tree_row, n, "tree_row");
+      check_index(*tree_start, num_seqs, "tree_start");
+      check_index(*tree_size, num_seqs, "tree_size");
+      TORCH_CHECK(tree_mask->dtype() == torch::kUInt8 && tree_mask->is_contiguous(), "tree_mask must be uint8");
+      batch.tree_row = tree_row->data_ptr<int64_t>();
+      batch.tree_start = tree_start->data_ptr<int64_t>();
+      batch.tree_size = tree_size->data_ptr<int64_t>();
+      batch.tree_mask = tree_mask->data_ptr<uint8_t>();
+    }
+
+    const int64_t qd = heads_ * head_dim_, kvd = kv_heads_ * head_dim_, qkv_w = qd + 2 * kvd;
+    float* h = reserve(h_, n * hidden_);
+    float* qkv = reserve(qkv_, n * qkv_w);
+    float* attn = reserve(attn_, n * qd);
+    float* gu = reserve(gu_, n * 2 * inter_);
+    float* u = reserve(u_, n * inter_);
+    const int64_t widest = std::max(std::max(hidden_, qd), inter_);
+    act_.resize(static_cast<size_t>(n * (widest / kBlock)));
+    ActBlock* act = act_.data();
+    auto out = x.clone();  // the residual stream, updated in place layer by layer
+    float* xs = out.data_ptr<float>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    const int64_t layer_floats = cache_rows * kvd;
+
+    for (int64_t li = 0; li < num_layers; ++li) {
+      const Layer& L = layers_[li];
+      float* kc = k_cache.data_ptr<float>() + li * layer_floats;
+      float* vc = v_cache.data_ptr<float>() + li * layer_floats;
+      rmsnorm(lv, xs, hidden_, n, hidden_, L.attn_norm.data_ptr<float>(), eps_, h, hidden_);
+      quantize_rows(lv, h, n, hidden_, hidden_, act);
+      L.qkv.apply(lv, act, n, nullptr, 0, qkv, qkv_w);
+      // q and k heads are adjacent in a qkv row, so one call rotates both.
+      rope(lv, qkv, qkv_w, n, heads_ + kv_heads_, head_dim_, pos, cos_.data_ptr<float>(), sin_.data_ptr<float>());
+      for (int64_t i = 0; i < n; ++i) {
+        std::memcpy(kc + slot[i] * kvd, qkv + i * qkv_w + qd, sizeof(float) * kvd);
+        std::memcpy(vc + slot[i] * kvd, qkv + i * qkv_w + qd + kvd, sizeof(float) * kvd);
+      }
+      paged_attention(lv, qkv, qkv_w, kc, vc, block_size, heads_, kv_heads_, head_dim_, scale, batch, attn, qd);
+      quantize_rows(lv, attn, n, qd, qd, act);
+      L.o.apply(lv, act, n, xs, hidden_, xs, hidden_);
+      rmsnorm(lv, xs, hidden_, n, hidden_, L.ffn_norm.data_ptr<float>(), eps_, h, hidden_);
+      quantize_rows(lv, h, n, hidden_, hidden_, act);
+      L.gate_up.apply(lv, act, n, nullptr, 0, gu, 2 * inter_);
+      silu_mul(lv, gu, 2 * inter_, n, inter_, u, inter_);
+      quantize_rows(lv, u, n, inter_, inter_, act);
+      L.down.apply(lv, act, n, xs, hidden_, xs, hidden_);
+    }
+    rmsnorm(lv, xs, hidden_, n, hidden_, final_norm_.data_ptr<float>(), eps_, xs, hidden_);
+    return out;
+  }
+
+  // h: float32 [n, hidden] final hidden states -> logits [n, vocab].
+  torch::Tensor logits(int64_t level, torch::Tensor h) {
+    TORCH_CHECK(h.dtype() == torch::kFloat32 && h.dim() == 2 && h.size(1) == hidden_ && h.stride(1) == 1,
+                "h must be float32 [n, hidden]");
+    const int64_t n = h.size(0);
+    act_.resize(static_cast<size_t>(std::max<int64_t>(1, n * (hidden_ / kBlock))));
+    quantize_rows(static_cast<int>(level), h.data_ptr<float>(), n, hidden_, h.stride(0), act_.data());
+    auto out = torch::empty({n, lm_head_.rows}, h.options());
+    lm_head_.apply(static_cast<int>(level), act_.data(), n, nullptr, 0, out.data_ptr<float>(), lm_head_.rows);
+    return out;
+  }
+
+ private:
+  // Scratch reused across calls: a fresh buffer of megabytes would be page-faulted in at every
+  // step, which costs more than the kernels that fill it.
+  static float* reserve(std::vector<float>& v, int64_t size) {
+    if (static_cast<int64_t>(v.size()) < size) v.resize(static_cast<size_t>(size));
+    return v.data();
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, inter_;
+  float eps_;
+  std::vector<Layer> layers_;
+  torch::Tensor final_norm_;
+  QMatrix lm_head_;
+  torch::Tensor cos_, sin_;
+  std::vector<float> h_, qkv_, attn_, gu_, u_;
+  std::vector<ActBlock> act_;
+};
+
+void register_model(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<QMatrix>(m, "QMatrix")
+      .def(py::init<int64_t, torch::Tensor, int64_t, int64_t, c10::optional<torch::Tensor>>(), py::arg("format"),
+           py::arg("units"), py::arg("rows"), py::arg("cols"), py::arg("bias") = py::none())
+      .def_readonly("format", &QMatrix::format)
+      .def_readonly("rows", &QMatrix::rows)
+      .def_readonly("cols", &QMatrix::cols)
+      .def_readonly("units", &QMatrix::units);
+  py::class_<Stacked>(m, "Stacked").def(py::init<std::vector<QMatrix>>(), py::arg("parts"));
+  py::class_<Layer>(m, "Layer")
+      .def(py::init<torch::Tensor, torch::Tensor, Stacked, Stacked, Stacked, Stacked>(), py::arg("attn_norm"),
+           py::arg("ffn_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+  py::class_<NativeModel>(m, "NativeModel")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, std::vector<Layer>, torch::Tensor, QMatrix,
+                    torch::Tensor, torch::Tensor>(),
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("intermediate"),
+           py::arg("eps"), py::arg("layers"), py::arg("final_norm"), py::arg("lm_head"), py::arg("cos"),
+           py::arg("sin"))
+      .def("forward", &NativeModel::forward, py::arg("level"), py::arg("x"), py::arg("positions"), py::arg("slots"),
+           py::arg("k_cache"), py::arg("v_cache"), py::arg("block_size"), py::arg("q_start"), py::arg("block_table"),
+           py::arg("prefix_len"), py::arg("tree_row") = py::none(), py::arg("tree_start") = py::none(),
+           py::arg("tree_size") = py::none(), py::arg("tree_mask") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("logits", &NativeModel::logits, py::arg("level"), py::arg("h"), py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace specserve
