@@ -92,8 +92,9 @@ class NativeLlamaModel(nn.Module):
     native = True
 
     def __init__(self, cfg: ModelConfig, core, embed_tokens: nn.Embedding, lm_head: nn.Module, level: int,
-                 description: str):
+                 quantization: str, description: str):
         super().__init__()
+        self.quantization = quantization  # how it was loaded: "gguf", "int8" or "int4"
         self.config = cfg
         self.core = core
         self.embed_tokens = embed_tokens
@@ -197,7 +198,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
                            rotary.cos[:, :half].contiguous(), rotary.sin[:, half:].contiguous())
     formats = sorted({GGMLQuantizationType(m).name for m in _formats_of(weights, used, kernels, requantize, fmt)})
     return NativeLlamaModel(cfg, core, nn.Embedding.from_pretrained(embed_weight, freeze=True),
-                            _VocabProjection(head, cfg.vocab_size), level, "/".join(formats))
+                            _VocabProjection(head, cfg.vocab_size), level, quantization, "/".join(formats))
 
 
 def _formats_of(weights: dict[str, Weight], used: set[str], kernels, requantize: bool, fmt) -> set[int]:

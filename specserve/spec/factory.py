@@ -25,9 +25,11 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         return MedusaProposer(load_drafter(spec.model, target), max_nodes=spec.num_draft_nodes)
     from specserve.spec.draft_model import DraftModelProposer
     # The draft runs on the target's path: the native kernels for a native target (its own
-    # blocks if it is a quantized GGUF), else the torch path in the target's dtype.
+    # blocks if it is a quantized GGUF, else the target's int8 / int4), else the torch path in
+    # the target's dtype.
     if getattr(target.model, "native", False):
-        draft = load_model(spec.model, device=target.model.device, quantization="auto")
+        mode = target.model.quantization
+        draft = load_model(spec.model, device=target.model.device, quantization="auto" if mode == "gguf" else mode)
     else:
         draft = load_model(spec.model, dtype=target.model.dtype, device=target.model.device, quantization="none")
     return DraftModelProposer(draft, target, engine)

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.llm import LLM
-from specserve.model.attention import DenseKVCache
+from specserve.engine.runner import ForwardBatch, ModelRunner
 from specserve.model.loader import LoadedModel
 from specserve.sampling_params import SamplingParams
 from specserve.spec.heads import TargetIdentity
@@ -144,13 +144,9 @@ def _record_chunk(llm: LLM, target: LoadedModel, convs: list[list[dict]], plan: 
 @torch.inference_mode()
 def record_sequence(target: LoadedModel, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the sequence -> (final hidden states [T, H] float16, argmax [T] int64)."""
-    cfg, model = target.config, target.model
-    t = len(token_ids)
-    cache = DenseKVCache(cfg.num_layers, 1, t, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
-    meta = cache.metadata([0], [0], [t])
-    hidden = model(torch.tensor([token_ids], device=model.device), meta, cache)[0]  # [T, H]
-    labels = model.compute_logits(hidden).argmax(-1)  # [T]
-    return hidden.to("cpu", STORE_DTYPE), labels.cpu()
+    runner = ModelRunner.dense(target.model, 1, len(token_ids))
+    out = runner.forward(ForwardBatch([0], [0], [token_ids], all_logits=True, keep_hidden=True))
+    return out.hidden[0].to("cpu", STORE_DTYPE), out.logits[0].argmax(-1).cpu()
 
 
 def load_data(paths: list[Path]) -> Recorded:

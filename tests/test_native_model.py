@@ -1,0 +1,145 @@
+"""The model on specserve's native kernels: which loads take it, batch invariance on every CPU
+level (exact), speculation on it (exact), and how close it stays to the float32 reference
+(tolerance: activations are quantized to int8 per 32-element block before every product)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve import native
+from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.errors import InvalidParameterError
+from specserve.hardware import Isa, machine
+from specserve.llm import LLM
+from specserve.model.loader import load_model
+from specserve.sampling_params import SamplingParams
+from tests.helpers import generate_ids, make_tiny_checkpoint, ragged_prompts
+
+pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+LEVELS = [lvl for lvl in range(int(Isa.AVX512_VNNI) + 1) if lvl <= machine().isa]
+
+
+@pytest.fixture(scope="module")
+def smollm_native():
+    return load_model("default")
+
+
+def test_quantized_gguf_takes_the_native_path_and_an_explicit_dtype_the_torch_one(smollm_native, tiny):
+    assert getattr(smollm_native.model, "native", False)
+    assert "Q4_1/Q8_0" in smollm_native.kernels and "native kernels" in smollm_native.kernels
+    assert not getattr(tiny["loaded"].model, "native", False)  # float weights: torch path by default
+    with pytest.raises(InvalidParameterError, match="leave --dtype out"):
+        load_model("default", dtype="bfloat16", quantization="int4")
+    with pytest.raises(InvalidParameterError, match="needs a quantized GGUF"):
+        load_model(tiny["target"], quantization="gguf")
+    with pytest.raises(InvalidParameterError, match="quantization='int3'"):
+        load_model(tiny["target"], quantization="int3")
+
+
+def _runner(loaded, level):
+    loaded.model.level = level
+    return ModelRunner.paged(loaded.model, 128, 16)
+
+
+def _logits(runner, tables, starts, tokens):
+    return runner.execute(ForwardBatch(tables, starts, tokens, all_logits=True))
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=[Isa(lvl).label for lvl in LEVELS])
+def test_a_rows_logits_never_depend_on_its_batch(smollm_native, level):
+    """Decode one token alone; then the same token among verification drafts, next to other
+    requests of other lengths: bit-identical logits every time."""
+    ids = smollm_native.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
+    other = smollm_native.tokenizer.encode("Speculative decoding drafts tokens and verifies them in one pass.")
+    runner = _runner(smollm_native, level)
+    ctx = len(ids) - 17
+    a_blocks, b_blocks = [list(range(0, 8)), list(range(20, 28))]
+    _logits(runner, [a_blocks], [0], [ids[:ctx]])
+    _logits(runner, [b_blocks], [0], [other])
+    alone = _logits(runner, [a_blocks], [ctx], [ids[ctx:ctx + 1]])[0, 0]
+    for width in (2, 5, 9, 17):
+        verify = _logits(runner, [a_blocks], [ctx], [ids[ctx:ctx + width]])[0]
+        assert torch.equal(verify[0], alone), width
+        batched = _logits(runner, [b_blocks, a_blocks], [len(other), ctx], [[other[-1]] * 3, ids[ctx:ctx + width]])
+        assert torch.equal(batched[1, 0], alone), width
+        assert torch.equal(batched[1, :width], verify), width
+    smollm_native.model.level = LEVELS[-1]
+
+
+def test_every_level_computes_the_same_bits(smollm_native):
+    ids = smollm_native.tokenizer.encode("Paris is the capital of France, and Rome")
+    out = [_logits(_runner(smollm_native, lvl), [list(range(4))], [0], [ids]) for lvl in LEVELS]
+    smollm_native.model.level = LEVELS[-1]
+    for lvl, o in zip(LEVELS[1:], out[1:]):
+        assert torch.equal(o, out[0]), Isa(lvl).label
+
+
+def test_native_stays_close_to_the_float32_reference(smollm_native, smollm):
+    """Tolerance test: int8 activations cost a little accuracy, measured as KL and top-1
+    agreement over a paragraph (the figures the quality benchmark reports per format)."""
+    ids = smollm_native.tokenizer.encode(open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()[:1500])
+    ref = ModelRunner.dense(smollm.model, 1, len(ids)).execute(ForwardBatch([0], [0], [ids], all_logits=True))[0]
+    nat = ModelRunner.dense(smollm_native.model, 1, len(ids)).execute(ForwardBatch([0], [0], [ids], all_logits=True))[0]
+    p, q = F.log_softmax(ref, -1), F.log_softmax(nat, -1)
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    agree = (ref.argmax(-1) == nat.argmax(-1)).float().mean().item()
+    assert kl < 0.02 and agree > 0.9, (kl, agree)
+
+
+# Relative logit error on the tiny random model (measured 2-8% per position for int8, 15-80% for
+# int4: its Gaussian weights with 16 levels per 32-element block, and peaked activations that
+# five int8 quantizations per layer see): bounds a few times the typical figure.
+@pytest.mark.parametrize("quantization, max_rel", [("int8", 0.15), ("int4", 0.8)])
+def test_float_weights_quantized_at_load(tmp_path, quantization, max_rel):
+    """A Hugging Face folder with --quantization int8 / int4 (Q8_0 / Q4_1 at load), qkv bias
+    included (Qwen2): close to the float model, within what 8 or 4 bits allow (tolerance)."""
+    folder = make_tiny_checkpoint(tmp_path / "q", "qwen2", vocab_size=64, hidden=64)
+    ref, nat = load_model(folder, dtype="float32"), load_model(folder, quantization=quantization)
+    assert getattr(nat.model, "native", False) and ("Q8_0" if quantization == "int8" else "Q4_1") in nat.kernels
+    ids = [[3, 9, 17, 4, 22, 8, 5, 40, 41, 2]]
+    a = ModelRunner.dense(ref.model, 1, 16).execute(ForwardBatch([0], [0], ids, all_logits=True))
+    b = ModelRunner.dense(nat.model, 1, 16).execute(ForwardBatch([0], [0], ids, all_logits=True))
+    assert ((a - b).norm() / a.norm()).item() < max_rel
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "ngram", "num_speculative_tokens": 3, "num_branches": 3},
+    {"method": "eagle", "model": "default", "num_speculative_tokens": 3},
+], ids=["ngram", "ngram-tree", "eagle"])
+def test_greedy_speculation_on_the_native_path_equals_plain(smollm_native, spec):
+    prompts = [smollm_native.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in (
+        "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", "Count from one to ten in words.",
+        "Write a haiku about rain.")]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = generate_ids(LLM(loaded=smollm_native, max_num_seqs=3), prompts, params)
+    spec_out = generate_ids(LLM(loaded=smollm_native, max_num_seqs=3, speculative_config=spec), prompts, params)
+    assert spec_out == plain
+
+
+def test_draft_model_on_native_targets_equals_plain(tmp_path):
+    target = make_tiny_checkpoint(tmp_path / "t", vocab_size=64, seed=0)
+    draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1)
+    prompts = ragged_prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    plain = generate_ids(LLM(target, quantization="int8", max_num_seqs=6), prompts, params)
+    spec = LLM(target, quantization="int8", max_num_seqs=6,
+               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    assert getattr(spec.engine.proposer.draft.model, "native", False)
+    assert generate_ids(spec, prompts, params) == plain
+
+
+def test_without_the_kernels_specserve_says_so_once_and_runs_on_torch():
+    code = ("from specserve.model.loader import load_model; m = load_model('default'); print(m.kernels)")
+    env = {**os.environ, "SPECSERVE_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "oneDNN" in out.stdout or "torch" in out.stdout
+    bad = {**os.environ, "SPECSERVE_CACHE_DIR": "/dev/null/nowhere"}
+    out = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True, check=True)
+    assert out.stderr.count("native kernels unavailable") == 1 and "torch path" in out.stderr
+    assert "float32" in out.stdout
