@@ -7,15 +7,17 @@ import sys
 import time
 
 from specserve.errors import SpecserveError
+from specserve.hardware import QUANTIZATIONS
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="Hugging Face model folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="torch path dtype; an explicit dtype asks for the torch path (float32: the exact reference)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                    help="auto: a quantized GGUF runs on its own blocks with specserve's native kernels, anything else "
-                        "on the torch path; int8 / int4: quantize float weights at load (Q8_0 / Q4_1); none: torch path")
+                        "on the torch path; int8 / int4 (or a block format by name): quantize weights at load "
+                        "(Q8_0 / Q4_1); none: torch path")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--max-model-len", type=int, default=None, help="context tokens per request (default: min(model context, 4096))")
 

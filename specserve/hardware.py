@@ -164,9 +164,10 @@ def emulation_env(level: Isa | str) -> dict[str, str]:
 # ---- kernel paths ----------------------------------------------------------------------------
 
 # How weights are computed on: "none" the torch path at a float dtype; "gguf" a quantized GGUF's
-# own blocks on the native kernels; "int8" / "int4" float weights quantized at load (Q8_0 / Q4_1)
-# for the native kernels; "auto" picks (see choose_quantization).
-QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
+# own blocks on the native kernels; "int8" / "int4" (or a block format by name) weights
+# quantized at load (Q8_0 / Q4_1) for the native kernels; "auto" picks (see choose_quantization).
+LOAD_FORMATS = ("q8_0", "q4_0", "q4_1")
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", *LOAD_FORMATS)
 
 
 def native_level() -> int | None:

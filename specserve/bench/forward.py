@@ -6,7 +6,11 @@ T = 1 decides whether speculation pays. Each step computes T tokens at positions
 engine's verification step does. Sizes are measured interleaved, round after round, and the
 median is reported, because the machines this runs on are shared and noisy.
 
-    python -m specserve.bench.forward [--model default] [--context 300] [--dtypes float32 bfloat16]
+    python -m specserve.bench.forward [--model default] [--contexts 100 1000]
+        [--paths gguf int8 float32 bfloat16] [--levels avx512_vnni avx2 generic]
+
+A path is a --quantization (gguf, int8, int4: specserve's native kernels) or a torch dtype
+(float32, bfloat16); native paths run at each CPU level asked for (capped at the machine's).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import torch
 
 from specserve.engine.runner import ForwardBatch, ModelRunner
-from specserve.hardware import machine
+from specserve.hardware import Isa, machine
 from specserve.model.loader import load_model
 
 
@@ -39,26 +43,46 @@ def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int,
     return times
 
 
+def _load(model: str, path: str, device: str):
+    if path in ("gguf", "int8", "int4"):
+        return load_model(model, device=device, quantization=path)
+    return load_model(model, dtype=path, device=device, quantization="none")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--context", type=int, default=300)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 5, 8])
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 5, 9, 17])
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--paths", nargs="+", default=["gguf", "int8", "float32", "bfloat16"])
+    ap.add_argument("--levels", nargs="+", default=None,
+                    help="CPU levels for the native paths (default: this machine's)")
     args = ap.parse_args()
-    print(f"# {machine().describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"device {args.device}, model {args.model}, context {args.context}, median of {args.rounds} rounds")
-    print(f"{'dtype':<10}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes) + f"{'T=max/T=1':>11}")
-    for dtype in args.dtypes:
-        loaded = load_model(args.model, dtype=dtype, device=args.device)
-        runner = ModelRunner.dense(loaded.model, num_slots=1, max_len=args.context + max(args.sizes))
-        times = step_times(runner, args.context, args.sizes, args.rounds, loaded.config.vocab_size)
-        med = {t: statistics.median(v) for t, v in times.items()}
-        print(f"{dtype:<10}" + "".join(f"{med[t]:>10.1f}" for t in args.sizes)
-              + f"{med[max(args.sizes)] / med[min(args.sizes)]:>11.2f}")
-        del loaded, runner
+    m = machine()
+    levels = [Isa.parse(v) for v in args.levels] if args.levels else [m.isa]
+    print(f"# {m.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
+          f"model {args.model}, median of {args.rounds} rounds; T tokens per pass with logits at each")
+    head = f"{'path':<34}{'context':>8}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes)
+    print(head + "".join(f"{f'T={t}/T=1':>9}" for t in args.sizes[1:]))
+    for path in args.paths:
+        loaded = _load(args.model, path, args.device)
+        native = getattr(loaded.model, "native", False)
+        for level in (levels if native else [None]):
+            if native:
+                loaded.model.level = int(min(level, m.isa, Isa.AVX512_VNNI))
+                label = f"{path} {loaded.model.description} {Isa(loaded.model.level).label}"
+            else:
+                label = loaded.kernels.split(",")[0]
+            for context in args.contexts:
+                runner = ModelRunner.dense(loaded.model, num_slots=1, max_len=context + max(args.sizes))
+                times = step_times(runner, context, args.sizes, args.rounds, loaded.config.vocab_size)
+                med = {t: statistics.median(v) for t, v in times.items()}
+                one = med[args.sizes[0]]
+                print(f"{label:<34}{context:>8}" + "".join(f"{med[t]:>10.2f}" for t in args.sizes)
+                      + "".join(f"{med[t] / one:>9.2f}" for t in args.sizes[1:]), flush=True)
+        del loaded
 
 
 if __name__ == "__main__":

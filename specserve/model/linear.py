@@ -75,3 +75,45 @@ def pack_linears(module: nn.Module) -> None:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))
+
+
+class NativeLinear(nn.Module):
+    """A linear layer on specserve's native kernels: its weight quantized to Q8_0 blocks at
+    build time, activations to int8 per 32-element block at each call (as the native model's
+    products). For drafter heads next to a native target: they read half the bytes of
+    bfloat16, and their outputs only choose draft candidates, which the target verifies."""
+
+    def __init__(self, linear: nn.Linear, ext, level: int):
+        super().__init__()
+        from gguf import GGMLQuantizationType, quantize
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.ext, self.level = ext, level
+        self.format = int(GGMLQuantizationType.Q8_0)
+        rows = -(-self.out_features // 16) * 16  # the kernels take whole 16-row units
+        weight = torch.zeros(rows, self.in_features)
+        weight[: self.out_features] = linear.weight.detach().float()
+        self.rows = rows
+        self.units = ext.repack(self.format, torch.from_numpy(quantize(weight.numpy(), GGMLQuantizationType.Q8_0)),
+                                self.in_features)
+        self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+
+    def _apply_kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        res = None if residual is None else residual.reshape(-1, self.out_features).float().contiguous()
+        y = self.ext.qgemm(self.level, self.format, self.units, self.out_features, flat, self.bias, res)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply_kernel(x, None)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self._apply_kernel(x, residual)
+
+
+def quantize_linears(module: nn.Module, ext, level: int) -> None:
+    """Replace every nn.Linear inside `module` by a NativeLinear (Q8_0), in place."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, NativeLinear(child, ext, level))

@@ -30,7 +30,9 @@ from specserve.model.llama import RotaryEmbedding
 
 # What --quantization asks for a float weight, and the format a weight without a kernel of its
 # own is requantized to.
-QUANT_FORMATS = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_1}
+QUANT_FORMATS = {"int8": GGMLQuantizationType.Q8_0, "int4": GGMLQuantizationType.Q4_1,
+                 "q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+                 "q4_1": GGMLQuantizationType.Q4_1}
 FALLBACK_FORMAT = GGMLQuantizationType.Q8_0
 _UNIT_ROWS = 16
 
@@ -92,8 +94,9 @@ class NativeLlamaModel(nn.Module):
     native = True
 
     def __init__(self, cfg: ModelConfig, core, embed_tokens: nn.Embedding, lm_head: nn.Module, level: int,
-                 quantization: str, description: str):
+                 quantization: str, description: str, weight_bytes: int):
         super().__init__()
+        self.weight_bytes = weight_bytes  # of the packed matrices: what a pass reads
         self.quantization = quantization  # how it was loaded: "gguf", "int8" or "int4"
         self.config = cfg
         self.core = core
@@ -152,10 +155,15 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
             raise ModelLoadError(f"{name} has {w.rows} rows; the native kernels need a multiple of {_UNIT_ROWS}")
         return w
 
+    packed_bytes = []
+
+    def qmatrix(b: Blocks, bias: torch.Tensor | None = None):
+        units = ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols)
+        packed_bytes.append(units.numel())
+        return ext.QMatrix(int(b.format), units, b.rows, b.cols, bias)
+
     def stacked(parts: list[Blocks], biases: list[torch.Tensor] | None = None):
-        mats = [ext.QMatrix(int(b.format), ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols), b.rows, b.cols,
-                            None if biases is None else biases[i]) for i, b in enumerate(parts)]
-        return ext.Stacked(mats)
+        return ext.Stacked([qmatrix(b, None if biases is None else biases[i]) for i, b in enumerate(parts)])
 
     layers = []
     for i in range(cfg.num_layers):
@@ -183,8 +191,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     if padded != head.rows:
         pad = np.zeros((padded - head.rows, head.raw.shape[1]), dtype=np.uint8)
         head = Blocks(head.format, np.concatenate([head.raw, pad]), padded, head.cols)
-    lm_head = ext.QMatrix(int(head.format), ext.repack(int(head.format), torch.from_numpy(head.raw), head.cols),
-                          head.rows, head.cols)
+    lm_head = qmatrix(head)
     embed_weight = embed.dequantized() if isinstance(embed, Blocks) else embed.float()
     final_norm = vector("model.norm.weight")
     unused = sorted(n for n in set(weights) - used - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
@@ -198,7 +205,8 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
                            rotary.cos[:, :half].contiguous(), rotary.sin[:, half:].contiguous())
     formats = sorted({GGMLQuantizationType(m).name for m in _formats_of(weights, used, kernels, requantize, fmt)})
     return NativeLlamaModel(cfg, core, nn.Embedding.from_pretrained(embed_weight, freeze=True),
-                            _VocabProjection(head, cfg.vocab_size), level, quantization, "/".join(formats))
+                            _VocabProjection(head, cfg.vocab_size), level, quantization, "/".join(formats),
+                            sum(packed_bytes))
 
 
 def _formats_of(weights: dict[str, Weight], used: set[str], kernels, requantize: bool, fmt) -> set[int]:

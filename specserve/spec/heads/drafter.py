@@ -14,7 +14,7 @@ from torch import nn
 
 from specserve.errors import InvalidParameterError, ModelLoadError
 from specserve.hardware import can_pack, drafter_dtype
-from specserve.model.linear import pack_linears
+from specserve.model.linear import pack_linears, quantize_linears
 from specserve.model.loader import LoadedModel
 from specserve.spec.heads.config import CONFIG_FILE, SAVE_DTYPES, WEIGHTS_FILE, DrafterConfig, TargetIdentity
 from specserve.spec.heads.modules import DraftVocab, EagleHead, MedusaHeads
@@ -120,7 +120,15 @@ def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool
     except RuntimeError as e:
         raise ModelLoadError(f"{folder / WEIGHTS_FILE} does not match its config.json: {e}") from None
     drafter = bind(config, heads, draft_ids, target)
-    if for_inference:
+    if for_inference and getattr(target.model, "native", False):
+        # Next to a native target the heads run on the same kernels, as Q8_0 blocks (a quarter
+        # of float32's bytes; drafting time is the bytes moved).
+        from specserve import native
+
+        drafter.heads.eval().requires_grad_(False)
+        quantize_linears(drafter.heads, native.load(), target.model.level)
+        quantize_linears(drafter.vocab, native.load(), target.model.level)
+    elif for_inference:
         # Drafting reads every drafter weight once per pass of a few rows, so the time is the
         # bytes moved: bfloat16 (the default save dtype) halves it, where the CPU has it. The
         # output stays exact: only the candidates change, and the target verifies them.
