@@ -109,7 +109,11 @@ def build_app_for(llm, config, max_waiting: int | None):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio turns on TCP_NODELAY for the connections it
+    # accepts only when the socket says it is TCP. Without it, Nagle's algorithm and the
+    # client's delayed ACK hold each response's last segment back ~40 ms on a kept-alive
+    # connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
