@@ -72,6 +72,15 @@ def test_same_seed_same_output_and_batch_independence(llm):
     assert a != c
 
 
+def test_one_token_request_reports_no_speculation(tiny):
+    """max_tokens=1 leaves no pass after the prefill: nothing was speculated, and the mean
+    accepted length says 1.0 as plain decoding does (not 0.0)."""
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_model_len=64)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert out.spec.num_target_passes == 0 and out.spec.mean_accepted_length == 1.0
+
+
 def test_stream_pieces_add_up_to_the_text(llm):
     pieces, last = [], None
     for out in llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)):
