@@ -122,9 +122,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    # "stop", "length", "abort", "error" (serving this request raised; the engine went on), or
+    # None while running
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
+    error: str | None = None  # what failed, when finish_reason is "error"
 
 
 @dataclass(slots=True)

@@ -167,6 +167,25 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    # The engine's checks of a request, for callers that must refuse it before submitting (a
+    # server answers 400 before a stream starts). They read only the engine's fixed settings,
+    # so any thread may call them.
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def speculative(self) -> bool:
+        """Whether requests can speculate (the engine has a proposer)."""
+        return self.engine.proposer is not None
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        self.engine.check_prompt(prompt_token_ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.engine.check_params(params)
+
     def _send(self, cmd: _Add | _Abort) -> None:
         self._commands.put(cmd)
         self._wake.set()
@@ -221,7 +240,9 @@ class AsyncEngine:
         try:
             self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.prompt,
                                     add.use_speculation, add.num_speculative_tokens)
-        except (SpecserveError, ValueError) as e:
+        except Exception as e:  # a refusal, or a bug adding this one request: it fails alone
+            if not isinstance(e, (SpecserveError, ValueError)):
+                logger.exception("adding request %s failed", add.request_id)
             self._put(add, e)
             return
         self._streams[add.request_id] = add
