@@ -21,7 +21,7 @@ class RunningServer:
                  max_body_bytes: int = 2 << 20):
         self.config = ServerConfig(served_model_names=(name,), max_model_len=llm.engine_config.max_model_len,
                                    api_key=api_key, max_body_bytes=max_body_bytes)
-        self.app = build_app_for(llm, self.config, max_waiting)
+        self.app, self.engine = build_app_for(llm, self.config, max_waiting)
         self._sock = _bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",

@@ -32,11 +32,16 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.param, self.code, self.headers)
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error object of a response with that status, or of a stream's error event (whose
+    HTTP status, 200, was sent before the failure)."""
+    kind = _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -76,7 +76,7 @@ def run_serve(args) -> int:
     config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
                           api_key=args.api_key, max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
                           grace_period_s=args.grace_period)
-    app = build_app_for(llm, config, args.max_waiting)
+    app, _ = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
     log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %d KV blocks)", loaded.name, time.perf_counter() - t,
              args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.engine.scheduler.pool.num_blocks)
@@ -95,7 +95,8 @@ def run_serve(args) -> int:
 
 
 def build_app_for(llm, config, max_waiting: int | None):
-    """The app around an LLM's engine (the server's and the tests' one way to make it)."""
+    """The app around an LLM's engine, and the AsyncEngine it serves from (the server's and the
+    tests' one way to make them)."""
     from specserve.engine.async_engine import AsyncEngine
     from specserve.server.app import build_app
     from specserve.server.metrics import ServerMetrics
@@ -104,7 +105,7 @@ def build_app_for(llm, config, max_waiting: int | None):
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     metrics = ServerMetrics(engine, config.served_model_names[0])
     engine.on_finish = metrics.on_finish
-    return build_app(OpenAIServing(engine, llm.tokenizer, config), metrics)
+    return build_app(OpenAIServing(engine, llm.tokenizer, config), metrics), engine
 
 
 def _bind(host: str, port: int) -> socket.socket:

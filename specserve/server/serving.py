@@ -21,12 +21,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
-from specserve.errors import InvalidParameterError, SpecserveError
+from specserve.errors import InvalidParameterError, PromptError, SpecserveError
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.sampling_params import SamplingParams
 from specserve.server import render
-from specserve.server.errors import APIError
-from specserve.server.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
+from specserve.server.errors import APIError, error_body
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.server")
@@ -49,9 +49,25 @@ class Choice:
     index: int
     prompt_index: int
     handle: object  # the AsyncEngine submission
-    final: RequestOutput | None = None
+    # The latest output of this choice: its final one once finished; while streaming, the last
+    # one whose chunk went out.
+    last: RequestOutput | None = None
     text_sent: bool = False  # the first stream chunk of this choice went out
     logprobs_sent: int = 0
+
+    @property
+    def finish_reason(self) -> str:
+        """How the choice ended; one that never finished was aborted (its client went away, or
+        the server shut down)."""
+        return str(self.last.outputs[0].finish_reason) if self.last is not None and self.last.finished else "abort"
+
+    @property
+    def failure(self) -> str | None:
+        """The message for a choice whose generation raised (finish_reason "error"), else None."""
+        if self.finish_reason != "error":
+            return None
+        return (f"internal error in specserve while generating choice {self.index} "
+                f"({self.last.outputs[0].error}); the server goes on serving other requests")
 
 
 @dataclass(slots=True)
@@ -132,7 +148,7 @@ class OpenAIServing:
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         out = []
-        vocab = self.tokenizer.vocab_size
+        vocab = self.engine.vocab_size
         for p in prompt:
             if isinstance(p, str):
                 if not p:
@@ -150,19 +166,23 @@ class OpenAIServing:
         """Checks the request against the context and returns params for (prompt, choice)."""
         limit = self.config.max_model_len
         longest = max(len(ids) for ids, _ in prompts)
+        prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if longest >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
                                 f"{longest} tokens (at least one must be left to generate); shorten the prompt",
-                           "messages" if isinstance(req, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+                           prompt_param, "context_length_exceeded")
+        for ids, _ in prompts:  # the engine's own checks, answered before any stream starts
+            try:
+                self.engine.check_prompt(ids)
+            except PromptError as e:
+                raise APIError(400, str(e), prompt_param) from e
         if explicit_max and longest + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the request asks for "
                                 f"{longest} prompt tokens plus {max_tokens} new tokens ({param_name}); "
                                 f"{param_name} may be at most {limit - longest} for this prompt",
                            param_name, "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"invalid stop: at most {MAX_STOP} stop sequences are allowed, got {len(stop)}", "stop")
-        if req.num_speculative_tokens and self.engine.engine.proposer is None:
+        if req.num_speculative_tokens and not self.engine.speculative:
             raise APIError(400, f"invalid num_speculative_tokens={req.num_speculative_tokens}: this server runs "
                                 "without speculative decoding (start it with --speculative); only 0 is allowed",
                            "num_speculative_tokens")
@@ -175,9 +195,11 @@ class OpenAIServing:
             room = limit - len(prompts[prompt_index][0])
             seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices must differ
             try:
-                return SamplingParams(max_tokens=min(max_tokens or room, room), seed=seed, **base)
+                params = SamplingParams(max_tokens=min(max_tokens or room, room), seed=seed, **base)
+                self.engine.check_params(params)
             except InvalidParameterError as e:
                 raise APIError(400, str(e), e.param) from e
+            return params
 
         make(0, 0)  # every field is checked before anything is queued
         return make
@@ -205,7 +227,7 @@ class OpenAIServing:
     async def _collect(self, job: Job, raw: Request) -> None:
         async def last(c: Choice) -> None:
             async for out in self.engine.stream(c.handle):
-                c.final = out
+                c.last = out
 
         tasks = [asyncio.create_task(last(c)) for c in job.choices]
         everything = asyncio.gather(*tasks)
@@ -215,6 +237,9 @@ class OpenAIServing:
             if not everything.done():
                 raise APIError(499, "the client closed the connection")
             everything.result()
+            failure = next((c.failure for c in job.choices if c.failure), None)
+            if failure:
+                raise APIError(500, failure, code="internal_error")
         except SpecserveError as e:
             raise APIError(400, str(e)) from e
         finally:
@@ -250,15 +275,20 @@ class OpenAIServing:
                 if item is None:
                     return  # the client is gone: the finally aborts what still runs
                 c, out = item
-                if isinstance(out, Exception):
-                    yield _sse(render.error_body(out))
+                if isinstance(out, Exception):  # refused by the engine, after the stream began
+                    yield _sse(error_body(400 if isinstance(out, SpecserveError) else 500, str(out),
+                                          getattr(out, "param", None)))
+                    break
+                if out.finished and out.outputs[0].finish_reason == "error":
+                    c.last = out
+                    yield _sse(error_body(500, c.failure, code="internal_error"))
                     break
                 first = not c.text_sent
                 c.text_sent = True
                 if out.finished:
-                    c.final = out
                     remaining -= 1
                 yield _sse(chunk(c, out, first))
+                c.last = out  # the chunk went out: the consumer asked for the next one
             else:
                 if include_usage:
                     yield _sse(self.render.usage_chunk(job))
@@ -270,11 +300,11 @@ class OpenAIServing:
             self._log(job)
 
     def _log(self, job: Job) -> None:
-        finals = [c.final for c in job.choices if c.final is not None]
-        spec = SpecStats.total(o.spec for o in finals)
-        reasons = ",".join(sorted({str(c.final.outputs[0].finish_reason) if c.final else "abort" for c in job.choices}))
+        lasts = [c.last for c in job.choices if c.last is not None]
+        spec = SpecStats.total(o.spec for o in lasts)
+        reasons = ",".join(sorted({c.finish_reason for c in job.choices}))
         line = (f"{job.request_id}: {len(job.choices)} choice(s), prompt {sum(len(p) for p, _ in job.prompts)} tok, "
-                f"output {sum(len(o.outputs[0].token_ids) for o in finals)} tok, finish {reasons}, "
+                f"output {sum(len(o.outputs[0].token_ids) for o in lasts)} tok, finish {reasons}, "
                 f"latency {time.perf_counter() - job.started:.3f}s")
         if spec.num_drafted:
             line += (f", acceptance {spec.acceptance_rate:.2f} ({spec.num_accepted}/{spec.num_drafted}), "
