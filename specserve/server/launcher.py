@@ -1,8 +1,9 @@
 """`specserve serve`: load the model, build the engine and the app, run uvicorn until SIGTERM.
 
 Shutdown: on SIGTERM (or Ctrl-C) uvicorn stops accepting connections and lets open requests
-run for up to --grace-period seconds, then cancels them (their engine requests are aborted);
-the app's lifespan stops the engine thread and the process exits 0.
+run for up to --grace-period seconds; then the engine aborts the rest, whose streams end with a
+last chunk (finish_reason "abort") and `data: [DONE]` (server/shutdown.py). The app's lifespan
+stops the engine thread and the process exits 0.
 """
 
 from __future__ import annotations
@@ -42,13 +43,12 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from specserve.cli import _spec_config
     from specserve.config import SpeculativeConfig
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.server.serving import ServerConfig
+    from specserve.server.shutdown import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specserve.server")
@@ -63,7 +63,7 @@ def run_serve(args) -> int:
         raise InvalidParameterError("max_waiting", args.max_waiting, "must be >= 0")
     if args.max_body_bytes < 1024:
         raise InvalidParameterError("max_body_bytes", args.max_body_bytes, "must be >= 1024")
-    if args.grace_period < 0:
+    if not args.grace_period >= 0:
         raise InvalidParameterError("grace_period", args.grace_period, "must be >= 0 seconds")
     sock = _bind(args.host, args.port)
 
@@ -76,14 +76,13 @@ def run_serve(args) -> int:
     config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
                           api_key=args.api_key, max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
                           grace_period_s=args.grace_period)
-    app, _ = build_app_for(llm, config, args.max_waiting)
+    app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
     log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %d KV blocks)", loaded.name, time.perf_counter() - t,
              args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.engine.scheduler.pool.num_blocks)
     log.info("serving %s on http://%s:%d/v1", ", ".join(names), host, port)
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                           timeout_graceful_shutdown=args.grace_period, lifespan="on"))
+    server = DrainingServer(app, engine, args.grace_period, log_level=args.log_level, access_log=False, lifespan="on")
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler of our own
     # turns that into a normal return, so a SIGTERM'd server exits 0 after its graceful stop.
     stops: list[int] = []
