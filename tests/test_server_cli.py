@@ -83,6 +83,7 @@ def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expec
     log = "".join(lines)
     assert code == 0, log
     assert "stopped on signal SIGTERM" in log and "Traceback" not in log and "CancelledError" not in log, log
+    assert "KV pool of" in log  # the startup line says how large the pool is and why
     if expect == "finished":  # every token delivered, then the stream's end
         assert outs[0].get("done") and outs[0]["finish_reason"] == "length" and outs[0]["tokens"] == 300, (outs, log)
     else:

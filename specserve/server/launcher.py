@@ -78,8 +78,8 @@ def run_serve(args) -> int:
                           grace_period_s=args.grace_period)
     app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
-    log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %d KV blocks)", loaded.name, time.perf_counter() - t,
-             args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.engine.scheduler.pool.num_blocks)
+    log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %s)", loaded.name, time.perf_counter() - t,
+             args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.kv_budget.describe())
     log.info("serving %s on http://%s:%d/v1", ", ".join(names), host, port)
 
     server = DrainingServer(app, engine, args.grace_period, log_level=args.log_level, access_log=False, lifespan="on")
