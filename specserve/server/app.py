@@ -3,6 +3,7 @@ handlers. Translation to engine calls lives in serving.py; the bodies in protoco
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -25,7 +26,8 @@ logger = logging.getLogger("specserve.server")
 
 _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in [
     (400, "invalid request: the message names the parameter and what is allowed"),
-    (401, "missing or wrong API key"), (404, "unknown model"), (413, "request body too large"),
+    (401, "missing or wrong API key"), (404, "unknown model"),
+    (408, "the request body did not arrive within --body-timeout seconds"), (413, "request body too large"),
     (503, "the waiting queue is full, or the server is shutting down")]}
 
 
@@ -45,7 +47,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a specserve engine (lossless speculative decoding)")
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout_s=config.body_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -95,12 +98,15 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
 class Guard:
     """ASGI middleware in front of every route: checks the API key of /v1 calls (a constant-time
     comparison, so response timing does not leak the key) and reads request bodies up to
-    `max_body_bytes`, refusing larger ones with 413 before anything parses them."""
+    `max_body_bytes`, refusing larger ones with 413 before anything parses them, and bodies
+    still incomplete after `body_timeout_s` with 408 (a client that declares more bytes than it
+    sends would otherwise hold its connection and a handler for as long as it likes)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,8 +125,12 @@ class Guard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await self._too_slow(scope, receive, send, size)
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -140,6 +150,12 @@ class Guard:
             return await receive()  # after the body: only the disconnect can come
 
         await self.app(scope, replay, send)
+
+    async def _too_slow(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        resp = error_response(408, f"the request body was not complete after {self.body_timeout_s:g} seconds "
+                                   f"({size} bytes arrived; --body-timeout); send the whole body at once",
+                              code="body_timeout", headers={"Connection": "close"})
+        await resp(scope, receive, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
         resp = error_response(413, f"the request body ({size} bytes or more) is larger than the limit of "

@@ -37,6 +37,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
+    s.add_argument("--body-timeout", type=float, default=10.0,
+                   help="seconds a request body may take to arrive; slower ones get 408 and the connection closes")
     s.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log line")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -65,6 +67,8 @@ def run_serve(args) -> int:
         raise InvalidParameterError("max_body_bytes", args.max_body_bytes, "must be >= 1024")
     if not args.grace_period >= 0:
         raise InvalidParameterError("grace_period", args.grace_period, "must be >= 0 seconds")
+    if not args.body_timeout > 0:
+        raise InvalidParameterError("body_timeout", args.body_timeout, "must be > 0 seconds")
     sock = _bind(args.host, args.port)
 
     t = time.perf_counter()
@@ -74,8 +78,8 @@ def run_serve(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching)
     names = tuple(args.served_model_name or [loaded.name])
     config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
-                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                          grace_period_s=args.grace_period)
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                          log_prompts=args.log_prompts, grace_period_s=args.grace_period)
     app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
     log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %s)", loaded.name, time.perf_counter() - t,

@@ -38,6 +38,7 @@ class ServerConfig:
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = 2 << 20  # request bodies above this are refused before parsing
+    body_timeout_s: float = 10.0  # a request body must arrive whole within this time (else 408)
     log_prompts: bool = False  # prompt text in the per-request log line (off: prompts may be private)
     grace_period_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
 
