@@ -62,7 +62,10 @@ CASES = [
     (COMPLETIONS, {"prompt": "t5", "n": 1000}, "n", ["less than or equal to 16"]),
     (COMPLETIONS, {"prompt": "t5", "logprobs": 50}, "logprobs", ["less than or equal to 5"]),
     (COMPLETIONS, {"prompt": "t5", "seed": -1}, "seed", []),
-    (COMPLETIONS, {"prompt": "t5", "stop": [""]}, "stop", []),
+    (COMPLETIONS, {"prompt": "t5", "stop": [""]}, "stop", ["must not be empty"]),
+    (COMPLETIONS, {"prompt": "t5", "stop": ""}, "stop", ["must not be empty"]),
+    (COMPLETIONS, {"prompt": "t5", "stop": ["t9"] * 17}, "stop", ["at most 16"]),
+    (COMPLETIONS, {"prompt": "t5", "top_k": 2**63}, "top_k", ["less than or equal to 16777216"]),
     (COMPLETIONS, {"prompt": "t5", "stop_token_ids": [64]}, "stop_token_ids", ["vocabulary", "[0, 64)"]),
     (COMPLETIONS, {"prompt": "t5", "seed": 2**64}, "seed", ["less than or equal to"]),
     (COMPLETIONS, {"prompt": "t5", "presence_penalty": 0.5}, "presence_penalty", ["less than or equal to 0"]),
@@ -93,6 +96,12 @@ def test_invalid_parameter_is_a_400_naming_it(server, path, body, param, words):
 def test_unknown_model_is_404(server):
     err = assert_error(post(server, CHAT, {"model": "gpt-9", "messages": MSG}), 404, "gpt-9", "'tiny'", param="model")
     assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path,required", [(COMPLETIONS, "'prompt'"), (CHAT, "'messages'")])
+def test_empty_body_names_what_to_send(server, path, required):
+    r = post(server, path, content=b"", headers={"content-type": "application/json"})
+    assert_error(r, 400, "the request body is empty", required)
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone(server, tiny, monkeypatch):

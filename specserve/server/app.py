@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -19,7 +19,7 @@ from specserve import __version__
 from specserve.server.errors import APIError, error_response, validation_message
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, ModelCard, ModelList)
+                                       CompletionResponse, ErrorResponse, ModelCard, ModelList, fill_model_bounds)
 from specserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("specserve.server")
@@ -28,7 +28,17 @@ _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in
     (400, "invalid request: the message names the parameter and what is allowed"),
     (401, "missing or wrong API key"), (404, "unknown model"),
     (408, "the request body did not arrive within --body-timeout seconds"), (413, "request body too large"),
+    (500, "generating this request failed (a bug in specserve); the server goes on serving others"),
     (503, "the waiting queue is full, or the server is shutting down")]}
+# With "stream": true the answer is server-sent events (the schema describes one event): each
+# one's data a chunk as JSON, or an error object if generation failed after the stream began,
+# and the last one's `[DONE]`.
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_GENERATION = _ERRORS | {200: {"content": {"text/event-stream": {"schema": _EVENT}},
+                               "description": "the response, or its stream of chunks"}}
+
+# The body model of each route that takes one, to name its required fields when it is missing.
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
@@ -55,8 +65,10 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(e.errors()))
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        body = _BODIES.get(request.url.path)
+        required = tuple(n for n, f in body.model_fields.items() if f.is_required()) if body else ()
+        message, param = validation_message(list(e.errors()), required)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -75,7 +87,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
             return error_response(503, "the engine is not taking requests (shutting down or stopped)")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -84,14 +97,27 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=0, max_model_len=config.max_model_len)
                                for name in config.served_model_names])
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATION)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
 
+    def openapi() -> dict:
+        """FastAPI's document, with the served model's bounds filled in and without the 422
+        responses FastAPI lists by default (invalid requests get 400 here)."""
+        if app.openapi_schema is None:
+            doc = FastAPI.openapi(app)
+            fill_model_bounds(doc, serving.model_bounds())
+            for operation in (op for path in doc["paths"].values() for op in path.values()):
+                operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                doc["components"]["schemas"].pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

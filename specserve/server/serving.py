@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specserve.config import MAX_SPECULATIVE_TOKENS
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specserve.errors import InvalidParameterError, PromptError, SpecserveError
 from specserve.outputs import RequestOutput, SpecStats
@@ -100,7 +101,9 @@ class OpenAIServing:
                                 "computed); drop one of them", "echo")
         prompts = self._completion_prompts(req.prompt)
         job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion")
-        params = self._params(req, prompts, req.max_tokens, explicit_max=req.max_tokens is not None,
+        # OpenAI's default of 16 new tokens, when the client sent none, is cut to the context left.
+        explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+        params = self._params(req, prompts, req.max_tokens, explicit_max=explicit,
                               logprobs=req.logprobs, param_name="max_tokens")
         self._submit(job, req, params)
         echo = [text if req.echo else "" for _, text in prompts]
@@ -114,9 +117,7 @@ class OpenAIServing:
         model = self.model_name(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                    for m in req.messages]
+        messages = chat_messages(req)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
@@ -133,6 +134,12 @@ class OpenAIServing:
                                 req.stream_options)
         await self._collect(job, raw)
         return JSONResponse(self.render.chat(job))
+
+    def model_bounds(self) -> dict[str, int]:
+        """The served model's figures that bound request fields (protocol.model_bound)."""
+        limit = self.config.max_model_len
+        return {"last_token_id": self.engine.vocab_size - 1, "max_new_tokens": limit - 1, "max_prompt_tokens": limit - 1,
+                "max_speculative_tokens": MAX_SPECULATIVE_TOKENS if self.engine.speculative else 0}
 
     def model_name(self, requested: str | None) -> str:
         names = self.config.served_model_names
@@ -313,6 +320,14 @@ class OpenAIServing:
         if self.config.log_prompts:
             line += f", prompt {json.dumps([t for _, t in job.prompts])[:500]}"
         logger.info(line)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the chat template takes them: OpenAI's "developer" role is the
+    system role, and a content of text parts is their text."""
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+            for m in req.messages]
 
 
 async def _wait_disconnect(raw: Request) -> None:
