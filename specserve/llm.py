@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.engine import LLMEngine
-from specserve.engine.kv_budget import memory_budget
+from specserve.engine.kv_budget import plan_kv_pool
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel, load_model
 from specserve.outputs import RequestOutput, SpecStats
@@ -47,11 +47,11 @@ class LLM:
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
-        if self.engine_config.kv_cache_memory is not None and self.engine_config.kv_cache_memory <= 1:
-            # A fraction of free memory becomes bytes once, before any pool exists, so that the
-            # draft model's pool and the target's are sized from the same figure.
-            self.engine_config = dataclasses.replace(
-                self.engine_config, kv_cache_memory=memory_budget(self.engine_config.kv_cache_memory, self.target.model.device))
+        # Planned once, against the memory available before any pool exists, and passed on as
+        # a block count: the draft model's pool and the target's then get the same size.
+        self.kv_budget = plan_kv_pool(self.target, self.engine_config)
+        self.engine_config = dataclasses.replace(self.engine_config, num_kv_blocks=self.kv_budget.num_blocks,
+                                                 kv_cache_memory=None)
         proposer = build_proposer(self.spec_config, self.target, self.engine_config)
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         typical = (TypicalAcceptance(self.spec_config.posterior_threshold, self.spec_config.posterior_alpha)

@@ -12,7 +12,8 @@ class SpecStats:
 
     A target pass is one forward of the target that produced tokens for this request after its
     prefill (a plain decode step counts as a pass with zero drafts), so mean accepted length is
-    tokens emitted per target pass: 1.0 for plain decoding, up to k + 1 with speculation.
+    tokens emitted per target pass: 1.0 for plain decoding, up to k + 1 with speculation. A
+    request that made no pass after its prefill (max_tokens=1) speculated nothing: 1.0 too.
     """
 
     num_drafted: int = 0
@@ -30,7 +31,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        return self.num_emitted / self.num_target_passes if self.num_target_passes else 0.0
+        return self.num_emitted / self.num_target_passes if self.num_target_passes else 1.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -121,9 +122,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    # "stop", "length", "abort", "error" (serving this request raised; the engine went on), or
+    # None while running
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
+    error: str | None = None  # what failed, when finish_reason is "error"
 
 
 @dataclass(slots=True)

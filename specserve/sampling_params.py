@@ -11,6 +11,11 @@ from specserve.errors import InvalidParameterError
 MAX_TOKENS_LIMIT = 1 << 20
 # Alternatives per token that `logprobs` may ask for (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+# top_k at or above the vocabulary size keeps every token (the same as 0); this bound only keeps
+# the value a machine integer. No vocabulary comes near it.
+MAX_TOP_K = 1 << 24
+# Stop strings and stop token ids per request (each is checked against every new token).
+MAX_STOP = 16
 
 
 @dataclass(slots=True)
@@ -20,7 +25,9 @@ class SamplingParams:
     temperature 0 means greedy decoding. top_k 0 (or -1, as in vLLM) disables top-k; top_p 1
     and min_p 0 disable nucleus and min-p filtering. The filters apply in the order
     temperature -> top_k -> top_p -> min_p, the same for plain sampling and for the speculative
-    verifier, so speculation never changes the distribution being sampled.
+    verifier, so speculation never changes the distribution being sampled. Every number has an
+    upper bound, checked here: the engine turns these values into tensors and machine integers.
+    The engine also checks stop_token_ids against the model's vocabulary when a request is added.
     """
 
     temperature: float = 1.0
@@ -44,6 +51,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:
             self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidParameterError naming the first field out of its range. The engine calls
+        it again when a request is added: the fields stay assignable after construction."""
         _check_number("temperature", self.temperature, float)
         if not 0.0 <= self.temperature <= 100.0:
             raise InvalidParameterError("temperature", self.temperature, "must be in [0, 100]; 0 means greedy")
@@ -51,8 +63,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParameterError("top_p", self.top_p, "must be in (0, 1]")
         _check_number("top_k", self.top_k, int)
-        if self.top_k < 0:
-            raise InvalidParameterError("top_k", self.top_k, "must be >= 0 (0 or -1 disables top-k)")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidParameterError("top_k", self.top_k, f"must be in [-1, {MAX_TOP_K}] (0 or -1 disables top-k; "
+                                                             "values at or above the vocabulary size keep every token)")
         _check_number("min_p", self.min_p, float)
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidParameterError("min_p", self.min_p, "must be in [0, 1]")
@@ -67,9 +80,16 @@ class SamplingParams:
             _check_number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidParameterError("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParameterError("ignore_eos", self.ignore_eos, "must be true or false")
+        if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP:
+            raise InvalidParameterError("stop", self.stop, f"must be a list of at most {MAX_STOP} strings")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParameterError("stop", s, "each stop sequence must be a non-empty string")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP:
+            raise InvalidParameterError("stop_token_ids", self.stop_token_ids,
+                                        f"must be a list of at most {MAX_STOP} token ids")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidParameterError("stop_token_ids", t, "each stop token id must be an int >= 0")

@@ -72,6 +72,27 @@ def test_same_seed_same_output_and_batch_independence(llm):
     assert a != c
 
 
+def test_prefill_step_outputs_the_first_token(llm):
+    """The step that samples a request's first token hands it out (a stream's first chunk
+    does not wait for the next step)."""
+    engine = llm.engine
+    engine.add_request("first", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = engine.step()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.pop_finished("first")
+
+
+def test_one_token_request_reports_no_speculation(tiny):
+    """max_tokens=1 leaves no pass after the prefill: nothing was speculated, and the mean
+    accepted length says 1.0 as plain decoding does (not 0.0)."""
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              max_model_len=64)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert out.spec.num_target_passes == 0 and out.spec.mean_accepted_length == 1.0
+
+
 def test_stream_pieces_add_up_to_the_text(llm):
     pieces, last = [], None
     for out in llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)):
@@ -100,6 +121,11 @@ def test_outputs_come_back_in_input_order(llm):
     ({"temperature": "hot"}, "temperature"),
     ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
 ])
 def test_invalid_sampling_params_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidParameterError, match=param) as e:

@@ -39,14 +39,18 @@ def start(model: str, *args: str) -> tuple[subprocess.Popen, str, list[str]]:
 
 
 def stream_tokens(url: str, max_tokens: int, out: dict) -> None:
-    body = {"prompt": "t5 t6", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    """Read one stream to its end: its id, the tokens received (counted by their log
+    probabilities), the last finish_reason, and whether `data: [DONE]` came."""
+    body = {"prompt": "t5 t6", "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "logprobs": 0}
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
-                    choice = json.loads(line[6:])["choices"][0]
+                    chunk = json.loads(line[6:])
+                    choice = chunk["choices"][0]
+                    out["id"] = chunk["id"]
                     out["finish_reason"] = choice["finish_reason"] or out.get("finish_reason")
-                    out["chunks"] = out.get("chunks", 0) + 1
+                    out["tokens"] = out.get("tokens", 0) + len(choice["logprobs"]["tokens"])
                     out.setdefault("started", time.monotonic())
                 elif line == "data: [DONE]":
                     out["done"] = True
@@ -57,8 +61,10 @@ def stream_tokens(url: str, max_tokens: int, out: dict) -> None:
 @pytest.mark.parametrize("grace,clients,expect", [(30, 1, "finished"), (0.3, 6, "cut")])
 def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expect):
     """One running stream finishes inside a long grace period. Six 480-token streams on a
-    server that runs one request at a time need thousands of steps, far more than 0.3 s: the
-    grace period runs out, the rest are cut, and the server still exits 0."""
+    server that runs one request at a time need thousands of steps, far more than 0.3 s: when
+    the grace period runs out the rest are aborted, and every stream still ends properly (a last
+    chunk with finish_reason "abort", then `data: [DONE]`), logged with the tokens it was sent;
+    the server exits 0 without a traceback."""
     proc, url, lines = start(tiny["target"], "--grace-period", str(grace), "--max-model-len", "512",
                              "--max-num-seqs", "1")
     try:
@@ -76,11 +82,16 @@ def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expec
         proc.kill()
     log = "".join(lines)
     assert code == 0, log
-    assert "stopped on signal SIGTERM" in log
+    assert "stopped on signal SIGTERM" in log and "Traceback" not in log and "CancelledError" not in log, log
+    assert "KV pool of" in log  # the startup line says how large the pool is and why
     if expect == "finished":  # every token delivered, then the stream's end
-        assert outs[0].get("done") and outs[0]["finish_reason"] == "length", (outs, log)
+        assert outs[0].get("done") and outs[0]["finish_reason"] == "length" and outs[0]["tokens"] == 300, (outs, log)
     else:
-        assert not all(o.get("done") for o in outs), (outs, log)
+        assert all(o.get("done") and o["finish_reason"] in ("abort", "length") for o in outs), (outs, log)
+        assert any(o["finish_reason"] == "abort" for o in outs) and outs[0]["tokens"] > 0, outs
+        for o in outs:  # the log counts the tokens each stream was sent
+            line = f"{o['id']}: 1 choice(s), prompt 2 tok, output {o['tokens']} tok, finish {o['finish_reason']}"
+            assert line in log, (o, log)
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/health", timeout=2)
 

@@ -2,12 +2,18 @@
 wrong, never a 500, and the server keeps answering."""
 
 import asyncio
+import json
+import logging
+import socket
+import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 from tests.server_helpers import RunningServer
 
 CHAT = "/v1/chat/completions"
@@ -19,6 +25,7 @@ MSG = [{"role": "user", "content": "t5 t6"}]
 def server(tiny):
     llm = LLM(loaded=tiny["loaded"], max_num_seqs=4, max_model_len=128)
     with RunningServer(llm, max_body_bytes=64 * 1024) as s:
+        s.llm = llm
         yield s
 
 
@@ -55,7 +62,12 @@ CASES = [
     (COMPLETIONS, {"prompt": "t5", "n": 1000}, "n", ["less than or equal to 16"]),
     (COMPLETIONS, {"prompt": "t5", "logprobs": 50}, "logprobs", ["less than or equal to 5"]),
     (COMPLETIONS, {"prompt": "t5", "seed": -1}, "seed", []),
-    (COMPLETIONS, {"prompt": "t5", "stop": [""]}, "stop", []),
+    (COMPLETIONS, {"prompt": "t5", "stop": [""]}, "stop", ["must not be empty"]),
+    (COMPLETIONS, {"prompt": "t5", "stop": ""}, "stop", ["must not be empty"]),
+    (COMPLETIONS, {"prompt": "t5", "stop": ["t9"] * 17}, "stop", ["at most 16"]),
+    (COMPLETIONS, {"prompt": "t5", "top_k": 2**63}, "top_k", ["less than or equal to 16777216"]),
+    (COMPLETIONS, {"prompt": "t5", "stop_token_ids": [64]}, "stop_token_ids", ["vocabulary", "[0, 64)"]),
+    (COMPLETIONS, {"prompt": "t5", "seed": 2**64}, "seed", ["less than or equal to"]),
     (COMPLETIONS, {"prompt": "t5", "presence_penalty": 0.5}, "presence_penalty", ["less than or equal to 0"]),
     (COMPLETIONS, {"prompt": "t5", "num_speculative_tokens": 2}, "num_speculative_tokens", ["without speculative"]),
     (COMPLETIONS, {"prompt": ""}, "prompt", ["empty"]),
@@ -84,6 +96,86 @@ def test_invalid_parameter_is_a_400_naming_it(server, path, body, param, words):
 def test_unknown_model_is_404(server):
     err = assert_error(post(server, CHAT, {"model": "gpt-9", "messages": MSG}), 404, "gpt-9", "'tiny'", param="model")
     assert err["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path,required", [(COMPLETIONS, "'prompt'"), (CHAT, "'messages'")])
+def test_empty_body_names_what_to_send(server, path, required):
+    r = post(server, path, content=b"", headers={"content-type": "application/json"})
+    assert_error(r, 400, "the request body is empty", required)
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(server, tiny, monkeypatch):
+    """A failure inside the engine (injected into the sampler for requests with seed 4242) ends
+    that request alone: a 500, or an error event then `data: [DONE]` in its stream, counted
+    as finish_reason "error"; a request running beside it gets exactly its usual answer."""
+    engine = server.llm.engine
+    verify = engine._verify
+
+    def failing(reqs, proposal, logits):
+        if any(r.params.seed == 4242 for r in reqs):
+            raise RuntimeError("injected sampler failure")
+        return verify(reqs, proposal, logits)
+
+    monkeypatch.setattr(engine, "_verify", failing)
+    before = server.metric("specserve_requests_total", finish_reason="error")
+    good = {"prompt": "t5 t6 t7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    bad = {"prompt": "t5 t6", "max_tokens": 12, "temperature": 0.5, "seed": 4242}
+    want = LLM(loaded=tiny["loaded"], max_model_len=128).generate(
+        ["t5 t6 t7"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+
+    async def together():
+        async with httpx.AsyncClient(timeout=60) as c:
+            return await asyncio.gather(c.post(f"{server.url}{COMPLETIONS}", json=bad),
+                                        c.post(f"{server.url}{COMPLETIONS}", json=good))
+
+    failed, ok = asyncio.run(together())
+    err = assert_error(failed, 500, "injected sampler failure", "other requests")
+    assert err["code"] == "internal_error"
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == want
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=bad | {"stream": True}, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "internal_error"
+    assert server.metric("specserve_requests_total", finish_reason="error") == before + 2
+    assert server.wait_idle()["specserve_kv_blocks_used"] == 0
+
+
+def test_a_client_that_goes_away_is_logged_as_aborted(server, monkeypatch, caplog):
+    """A non-streamed request whose client closes the connection after the engine produced
+    its first token: the request log says `finish abort` (not `finish None`)."""
+    caplog.set_level(logging.INFO, logger="specserve.server")
+    engine = server.llm.engine
+    step, steps, gate = engine.step, [], threading.Event()
+
+    def held_after_first():  # the first step's output is delivered, then the engine waits
+        steps.append(1)
+        if len(steps) > 1:
+            gate.wait(30)
+        return step()
+
+    stream, received = server.engine.stream, threading.Event()
+
+    async def recorded(handle):  # set once the handler has taken an output
+        async for out in stream(handle):
+            yield out
+            received.set()
+
+    monkeypatch.setattr(engine, "step", held_after_first)
+    monkeypatch.setattr(server.engine, "stream", recorded)
+    host, port = server.url.removeprefix("http://").split(":")
+    body = b'{"prompt": "t5 t6", "max_tokens": 50, "ignore_eos": true}'
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert received.wait(30)
+    try:
+        while not any("finish" in r.getMessage() and "choice(s)" in r.getMessage() for r in caplog.records):
+            time.sleep(0.01)
+    finally:
+        gate.set()
+    line = next(r.getMessage() for r in caplog.records if "choice(s)" in r.getMessage())
+    assert "output 1 tok, finish abort" in line, line
+    assert server.wait_idle()["specserve_kv_blocks_used"] == 0
 
 
 def test_malformed_json(server):

@@ -1,23 +1,34 @@
-"""Schemathesis fuzzes every operation of the server's own OpenAPI document, with schema-valid
-and schema-violating requests (bounded in examples and time): no request may get a 5xx, and
-every error body is in the OpenAI format."""
+"""Schemathesis fuzzes every operation of the server's own OpenAPI document with schema-valid and
+schema-violating requests (bounded in examples and time) and runs every check it has on each
+answer: no 5xx, status codes, content types, headers and bodies as documented (stream events
+included), schema-violating requests refused, schema-valid ones accepted.
+
+One bound is not the schema's to state: a prompt, and a prompt plus max_tokens, must fit the
+context, counted in tokens (0 tokens is an empty prompt). Schema-valid requests that break it
+are answered 400 (context_length_exceeded, or an empty prompt), tested in test_server_errors;
+the schema-valid requests here are drawn within it."""
 
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from schemathesis import GenerationMode
+from schemathesis.checks import CHECKS, load_all_checks
 
 from specserve.llm import LLM
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.serving import chat_messages
 from tests.server_helpers import RunningServer
+
+MAX_MODEL_LEN = 48  # small, so the longest generation the fuzzer can ask for is short
 
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    # A small max_model_len keeps the longest generation the fuzzer can ask for short.
     llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-              max_num_seqs=8, max_model_len=48)
+              max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
     with RunningServer(llm, max_waiting=64) as s:
+        s.llm = llm
         yield s
 
 
@@ -26,27 +37,54 @@ def operations(server):
     return [result.ok() for result in schema.get_all_operations()]
 
 
-def test_openapi_document_lists_the_api(server):
-    labels = {op.label for op in operations(server)}
+def test_openapi_document_lists_the_api_with_the_models_bounds(server):
+    ops = {op.label: op for op in operations(server)}
     assert {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
-            "GET /metrics"} <= labels
+            "GET /metrics"} <= set(ops)
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    body = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert body["max_tokens"]["anyOf"][0]["maximum"] == MAX_MODEL_LEN - 1
+    assert body["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 63  # the tiny vocabulary's last id
+    assert "x-model-bounds" not in str(doc) and "422" not in str(doc["paths"])
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_fuzzed_requests_never_get_a_5xx(server, path, mode):
-    op = next(o for o in operations(server) if o.path == path)
+def fits_context(llm, path: str, body) -> bool:
+    """Whether every prompt has 1 to MAX_MODEL_LEN - 1 tokens and room for the max_tokens the
+    client asked for."""
+    if path == "/v1/completions":
+        req = CompletionRequest.model_validate(body)
+        prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
+        lengths = [len(llm.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
+        asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
+    else:
+        req = ChatCompletionRequest.model_validate(body)
+        lengths = [len(llm.tokenizer.encode_chat(chat_messages(req), add_generation_prompt=True))]
+        asked = req.max_completion_tokens or req.max_tokens
+    return all(0 < n < MAX_MODEL_LEN and n + (asked or 0) <= MAX_MODEL_LEN for n in lengths)
+
+
+@pytest.mark.parametrize("label,mode", [(label, mode) for label in ["POST /v1/completions", "POST /v1/chat/completions"]
+                                        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)]
+                         # The GET routes take no parameters, so no request to them violates the schema.
+                         + [(label, GenerationMode.POSITIVE) for label in ["GET /v1/models", "GET /health", "GET /metrics"]])
+def test_fuzzed_requests_pass_every_check(server, label, mode):
+    op = next(o for o in operations(server) if o.label == label)
+    load_all_checks()
+    checks = list(CHECKS.get_all())  # `--checks all`
     seen: dict[int, int] = {}
 
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=40 if label.startswith("POST") else 5, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case):
+        if mode is GenerationMode.POSITIVE and op.method == "post":
+            assume(fits_context(server.llm, op.path, case.body))
         # A streamed answer is read to the end like any other; n and max_tokens are bounded by
         # the schema and the small context.
         response = case.call(base_url=server.url, timeout=60)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1
-        assert response.status_code < 500, (case.body, response.text)
+        case.validate_response(response, checks=checks)
         if response.status_code >= 400:
             assert set(response.json()["error"]) >= {"message", "type", "param", "code"}
 
@@ -54,4 +92,6 @@ def test_fuzzed_requests_never_get_a_5xx(server, path, mode):
     assert sum(seen.values()) > 0
     if mode is GenerationMode.NEGATIVE:
         assert any(400 <= code < 500 for code in seen), seen
+    else:
+        assert seen.get(200), seen
     assert server.wait_idle()["specserve_kv_blocks_used"] == 0

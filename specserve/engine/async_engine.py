@@ -68,6 +68,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _AbortAll:
+    """Abort every request the engine holds; each stream gets its last output (finish_reason
+    "abort")."""
+
+
 class AsyncEngine:
     """`async for out in engine.generate(...)`: outputs of one request as the engine steps.
 
@@ -83,7 +89,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_finish = on_finish
-        self._commands: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _pending, the adds sent but not yet taken
         self._pending = 0
@@ -167,7 +173,31 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
-    def _send(self, cmd: _Add | _Abort) -> None:
+    def abort_all(self) -> None:
+        """End every request now (a shutdown's grace period ran out): each stream gets a last
+        output with finish_reason "abort", after the tokens it already had."""
+        self._send(_AbortAll())
+
+    # The engine's checks of a request, for callers that must refuse it before submitting (a
+    # server answers 400 before a stream starts). They read only the engine's fixed settings,
+    # so any thread may call them.
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def speculative(self) -> bool:
+        """Whether requests can speculate (the engine has a proposer)."""
+        return self.engine.proposer is not None
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        self.engine.check_prompt(prompt_token_ids)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.engine.check_params(params)
+
+    def _send(self, cmd: _Add | _Abort | _AbortAll) -> None:
         self._commands.put(cmd)
         self._wake.set()
 
@@ -204,6 +234,8 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 taken += 1
                 self._add(cmd)
+            elif isinstance(cmd, _AbortAll):
+                self._abort_all()
             elif cmd.request_id in self._streams:
                 self.engine.abort_request(cmd.request_id)
                 self._deliver(self.engine.output(cmd.request_id))
@@ -221,7 +253,9 @@ class AsyncEngine:
         try:
             self.engine.add_request(add.request_id, add.prompt_token_ids, add.params, add.prompt,
                                     add.use_speculation, add.num_speculative_tokens)
-        except (SpecserveError, ValueError) as e:
+        except Exception as e:  # a refusal, or a bug adding this one request: it fails alone
+            if not isinstance(e, (SpecserveError, ValueError)):
+                logger.exception("adding request %s failed", add.request_id)
             self._put(add, e)
             return
         self._streams[add.request_id] = add

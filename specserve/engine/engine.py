@@ -3,9 +3,11 @@ accept -> commit inside the execute/update of a decode step."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,21 +25,30 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec import DraftProposal, DraftTree, DraftTreeProposal, Proposer, SpecRequest, VerifyFeedback
 from specserve.tokenizer import IncrementalDetokenizer
 
+logger = logging.getLogger("specserve.engine")
+
 
 @dataclass(slots=True)
-class _Verified:
-    """One verification pass on the host, per decoding request, chains and trees alike."""
+class _Computed:
+    """One scheduled request's share of a step, computed but not committed: the pass, sampling
+    and verification are done, and nothing of the request itself has changed yet."""
 
-    token_ids: list[list[int]]  # the accepted drafts, then the recovered or bonus token
-    accepted_nodes: list[list[int]]  # indices of the accepted drafts (a chain's 0..a-1, a tree's path)
-    num_draft: list[int]  # drafts scored (a tree's node count)
-    depth: list[int]  # the most that could be accepted (a chain's length, a tree's depth)
-    # [a + 1, H] target hidden states at the root and the accepted drafts; None unless the
-    # proposer needs hidden states.
-    hidden: list[torch.Tensor] | None
-    # [a + 1, V] raw target logits that scored each committed token, for requests asking for
-    # log probabilities (None for the others).
-    logits: list[torch.Tensor | None]
+    # To commit: the sampled token, or the accepted drafts then the recovered or bonus token;
+    # [] for a prompt chunk that samples nothing.
+    token_ids: list[int]
+    # [len(token_ids), V] raw target logits that scored each token, for requests asking for log
+    # probabilities (None for the others).
+    logits: torch.Tensor | None
+    # [T, H] target hidden states from the request's computed length on (a prompt chunk; or the
+    # root and the accepted drafts); None unless the proposer needs hidden states.
+    hidden: torch.Tensor | None
+    decode: bool = False  # a decode step: the fields below describe its verification
+    # Indices of the accepted drafts (a chain's 0..a-1, a tree's path).
+    accepted_nodes: list[int] = field(default_factory=list)
+    num_draft: int = 0  # drafts scored (a tree's node count)
+    depth: int = 0  # the most that could be accepted (a chain's length, a tree's depth)
+    proposer_time_s: float = 0.0  # this request's share of the step's drafting and target time
+    target_time_s: float = 0.0
 
 
 class LLMEngine:
@@ -59,13 +70,14 @@ class LLMEngine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    prompt: str | None = None, use_speculation: bool = True,
-                    num_speculative_tokens: int | None = None) -> Request:
-        """Queue a request. `num_speculative_tokens` overrides the engine's k for this request
-        (0: plain decoding); requests with different k, or none, share the same steps."""
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a prompt or a stop list may hold: those both the model and the tokenizer know."""
+        return min(self.target.config.vocab_size, self.tokenizer.vocab_size)
+
+    def check_prompt(self, prompt_token_ids: Sequence[int]) -> None:
+        """Raise PromptError unless the prompt can run: not empty, inside the vocabulary, and
+        leaving room in the context for at least one new token."""
         ids = list(prompt_token_ids)
         if not ids:
             raise PromptError("the prompt is empty; give at least one token of text")
@@ -75,10 +87,35 @@ class LLMEngine:
                 f"the prompt has {len(ids)} tokens but the context is {limit} tokens (max_model_len), "
                 "which must also leave room for at least one generated token"
             )
-        vocab = self.target.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        vocab = self.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise PromptError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Raise InvalidParameterError unless every field is in range, the vocabulary's bounds
+        included (SamplingParams' fields stay assignable after it checked them)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameterError("sampling_params", type(params).__name__, "must be a SamplingParams")
+        params.validate()
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise InvalidParameterError("stop_token_ids", bad[:5],
+                                        f"must be token ids in [0, {self.vocab_size}) (the vocabulary)")
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    prompt: str | None = None, use_speculation: bool = True,
+                    num_speculative_tokens: int | None = None) -> Request:
+        """Queue a request. `num_speculative_tokens` overrides the engine's k for this request
+        (0: plain decoding); requests with different k, or none, share the same steps."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(prompt_token_ids)
+        self.check_prompt(ids)
+        self.check_params(params)
+        # The engine's own copy: the caller's object (one for many prompts in LLM.generate)
+        # stays assignable while its requests run.
+        params = dataclasses.replace(params)
         req = Request(
             request_id=request_id,
             prompt=prompt,
@@ -101,7 +138,7 @@ class LLMEngine:
             return 0
         if k is None:
             return self.num_speculative_tokens
-        if not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_SPECULATIVE_TOKENS:
             raise InvalidParameterError("num_speculative_tokens", k, f"must be an integer in [0, {MAX_SPECULATIVE_TOKENS}]")
         if k and self.proposer is None:
             raise InvalidParameterError("num_speculative_tokens", k, "needs an engine with a speculative_config (0 here)")
@@ -117,58 +154,90 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- one step --------------------------------------------------------------------------
+    #
+    # A step computes every scheduled request's share first (_compute: one batched pass,
+    # sampling, verification) and commits each afterwards (_commit: tokens, stop rules,
+    # detokenization, log probabilities, proposer feedback). An exception fails one request
+    # only, with finish_reason "error": a commit is guarded per request, and when the batch
+    # itself fails, each request is computed again alone to find the one it failed for.
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        if self.proposer:
-            for r in sched.preempted:  # its draft state restarts with the recomputed request
-                self.proposer.remove_request(r.request_id)
+        for r in sched.preempted:  # its draft state restarts with the recomputed request
+            self._forget_drafts(r)
         if sched.empty:
             return []
-        if sched.prefill:
-            self._prefill(sched.prefill)
-        if sched.decode:
-            self._decode(sched.decode)
+        scheduled = sched.prefill + sched.decode
+        samples = [s.samples for s in scheduled]  # asked before commits move the computed lengths
+        feedback = VerifyFeedback([], [], [], [], [])
+        for s, computed in zip(scheduled, self._compute(sched.prefill, sched.decode)):
+            if isinstance(computed, Exception):
+                self._fail(s.request, computed)
+            else:
+                self._guarded(s.request, self._commit, s, computed, feedback)
+        self._observe(feedback)
         outputs = []
-        for s in sched.prefill + sched.decode:
+        for s, sampled in zip(scheduled, samples):
             r = s.request
-            self.scheduler.update(r)
-            if s.samples or r.finished:
-                outputs.append(self._output(r))
+            self._guarded(r, self.scheduler.update, r)
+            if sampled or r.finished:
+                # A failed request's output reads no parameter, so it cannot fail again.
+                outputs.append(self._guarded(r, self._output, r) or self._output(r))
             if r.finished:
                 self._release(r)
         return outputs
 
-    def _prefill(self, chunks: list[ScheduledRequest]) -> None:
+    def _compute(self, prefill: list[ScheduledRequest], decode: list[ScheduledRequest]) -> list[_Computed | Exception]:
+        """Each scheduled request's share of the step, prefill chunks first; for a request that
+        failed alone, its exception."""
+        rng = [r.generator.get_state() if r.generator is not None and not r.params.greedy else None
+               for r in (s.request for s in prefill + decode)]
+        try:
+            return (self._prefill(prefill) if prefill else []) + (self._decode(decode) if decode else [])
+        except Exception as e:
+            logger.warning("a step of %d request(s) failed (%s: %s); computing each alone to find the one it "
+                           "failed for", len(rng), type(e).__name__, e)
+            alone = [(s, False) for s in prefill] + [(s, True) for s in decode]
+            return [self._compute_alone(s, is_decode, state) for (s, is_decode), state in zip(alone, rng)]
+
+    def _compute_alone(self, s: ScheduledRequest, is_decode: bool,
+                       rng_state: torch.Tensor | None) -> _Computed | Exception:
+        """The request's share computed in a batch of its own, from the state the step began
+        in: nothing was committed, and the failed pass wrote KV only past computed lengths,
+        where this pass writes again. Its generator is rewound, so a seeded request draws the
+        same numbers; the proposer's state, which a failed proposal may have left half-updated,
+        is dropped and rebuilt from the committed tokens."""
+        r = s.request
+        try:
+            if rng_state is not None:
+                r.generator.set_state(rng_state)
+            if is_decode:
+                self._forget_drafts(r)
+                return self._decode([s])[0]
+            return self._prefill([s])[0]
+        except Exception as e:
+            return e
+
+    def _prefill(self, chunks: list[ScheduledRequest]) -> list[_Computed]:
         """Prompt chunks (of new, resumed or preempted requests); a chunk that reaches the
         request's last token also samples its next token."""
         reqs = [s.request for s in chunks]
-        starts = [r.num_computed_tokens for r in reqs]
-        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], starts,
+        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], [r.num_computed_tokens for r in reqs],
                           [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens]
                            for r, s in zip(reqs, chunks)], all_logits=False, keep_hidden=self.keep_hidden)
         fwd = self.runner.forward_last(fb)
         logits = fwd.logits  # [B, 1, V]
-        if fwd.hidden is not None:
-            for r, start, hidden in zip(reqs, starts, fwd.hidden):  # hidden: [chunk, H]
-                if r.num_speculative_tokens:
-                    self.proposer.observe_hidden(r.request_id, start, hidden)
         rows = [i for i, s in enumerate(chunks) if s.samples]
-        out = None
+        sampled: dict[int, int] = {}
         if rows:
-            sampling = [reqs[i] for i in rows]
-            out = self._verify(sampling, DraftProposal.empty(len(rows), logits.device), logits[rows])
-        for i, (r, s) in enumerate(zip(reqs, chunks)):
-            r.num_computed_tokens += s.num_new_tokens
-        for j, i in enumerate(rows):
-            r = reqs[i]
-            tok = int(out.output_token_ids[j, 0])
-            r.append_token(tok, self.config.max_model_len)
-            r.num_computed_tokens = r.num_tokens - 1
-            if r.params.logprobs is not None:
-                r.logprobs.extend(token_logprobs(logits[i], [tok], r.params.logprobs))
+            out = self._verify([reqs[i] for i in rows], DraftProposal.empty(len(rows), logits.device), logits[rows])
+            sampled = dict(zip(rows, out.output_token_ids[:, 0].tolist()))
+        return [_Computed([sampled[i]] if i in sampled else [],
+                          logits[i] if i in sampled and r.params.logprobs is not None else None,
+                          None if fwd.hidden is None else fwd.hidden[i])  # hidden: [chunk, H]
+                for i, r in enumerate(reqs)]
 
-    def _decode(self, scheduled: list[ScheduledRequest]) -> None:
+    def _decode(self, scheduled: list[ScheduledRequest]) -> list[_Computed]:
         reqs = [s.request for s in scheduled]
         slots = [s.num_draft for s in scheduled]
         t0 = time.perf_counter()
@@ -177,12 +246,14 @@ class LLMEngine:
         if isinstance(proposal, DraftProposal) and self.typical_acceptance is not None:
             proposal = proposal.as_trees()
         if isinstance(proposal, DraftTreeProposal):
-            verified = self._verify_trees(reqs, slots, proposal.trees)
+            computed = self._verify_trees(reqs, slots, proposal.trees)
         else:
-            verified = self._verify_chains(reqs, proposal)
+            computed = self._verify_chains(reqs, proposal)
         self.runner.synchronize()
         t2 = time.perf_counter()
-        self._commit(reqs, verified, proposer_time=(t1 - t0) / len(reqs), target_time=(t2 - t1) / len(reqs))
+        for c in computed:
+            c.proposer_time_s, c.target_time_s = (t1 - t0) / len(reqs), (t2 - t1) / len(reqs)
+        return computed
 
     def _propose(self, reqs: list[Request], slots: list[int]) -> DraftProposal | DraftTreeProposal:
         """Drafts for the decoding requests within the slots the scheduler reserved
@@ -206,7 +277,7 @@ class LLMEngine:
             return DraftTreeProposal(trees)
         return proposal.scatter(spec_rows, len(reqs))
 
-    def _verify_chains(self, reqs: list[Request], proposal: DraftProposal) -> _Verified:
+    def _verify_chains(self, reqs: list[Request], proposal: DraftProposal) -> list[_Computed]:
         n_draft = proposal.num_draft.tolist()
         drafts = proposal.draft_token_ids.tolist()
         fb = ForwardBatch(
@@ -218,17 +289,13 @@ class LLMEngine:
         fwd = self.runner.forward(fb)  # logits [B, 1 + k_max, V]
         out = self._verify(reqs, proposal, fwd.logits)
         tokens = out.output_token_ids.tolist()
-        accepted = out.num_accepted.tolist()
-        return _Verified(
-            token_ids=[t[: a + 1] for t, a in zip(tokens, accepted)],
-            accepted_nodes=[list(range(a)) for a in accepted],
-            num_draft=n_draft, depth=n_draft,
-            hidden=None if fwd.hidden is None else [h[: a + 1] for h, a in zip(fwd.hidden, accepted)],
-            logits=[fwd.logits[i, : a + 1] if r.params.logprobs is not None else None
-                    for i, (r, a) in enumerate(zip(reqs, accepted))],
-        )
+        return [_Computed(tokens[i][: a + 1],
+                          fwd.logits[i, : a + 1] if r.params.logprobs is not None else None,
+                          None if fwd.hidden is None else fwd.hidden[i][: a + 1],
+                          decode=True, accepted_nodes=list(range(a)), num_draft=n_draft[i], depth=n_draft[i])
+                for i, (r, a) in enumerate(zip(reqs, out.num_accepted.tolist()))]
 
-    def _verify_trees(self, reqs: list[Request], slots: list[int], trees: list[DraftTree]) -> _Verified:
+    def _verify_trees(self, reqs: list[Request], slots: list[int], trees: list[DraftTree]) -> list[_Computed]:
         """One pass over [root, nodes...] per request with tree masks; then the accepted path's
         keys and values are moved to the slots right after the root, where the next steps (and
         the prefix cache) expect the committed tokens."""
@@ -252,50 +319,89 @@ class LLMEngine:
         if moved:
             self.runner.cache.move(*(list(m) for m in zip(*moved)))
         tokens = out.output_token_ids.tolist()
-        return _Verified(
-            token_ids=[t[: len(p) + 1] for t, p in zip(tokens, paths)],
-            accepted_nodes=paths,
-            num_draft=[t.num_nodes for t in trees], depth=[t.max_depth for t in trees],
-            hidden=None if fwd.hidden is None else [h[[0] + [n + 1 for n in p]] for h, p in zip(fwd.hidden, paths)],
-            logits=[fwd.logits[i, [0] + [n + 1 for n in p]] if r.params.logprobs is not None else None
-                    for i, (r, p) in enumerate(zip(reqs, paths))],
-        )
+        rows = [[0] + [n + 1 for n in p] for p in paths]  # the root, then the accepted path
+        return [_Computed(tokens[i][: len(p) + 1],
+                          fwd.logits[i, rows[i]] if r.params.logprobs is not None else None,
+                          None if fwd.hidden is None else fwd.hidden[i][rows[i]],
+                          decode=True, accepted_nodes=p, num_draft=t.num_nodes, depth=t.max_depth)
+                for i, (r, t, p) in enumerate(zip(reqs, trees, paths))]
 
     def _verify(self, reqs: list[Request], proposal: DraftProposal, logits: torch.Tensor) -> VerifyOutput:
         st = SamplingTensors.from_params([r.params for r in reqs], logits.device)
         return verify(proposal.draft_token_ids.to(logits.device), proposal.num_draft.to(logits.device),
                       proposal.draft_probs, logits, st, [r.generator for r in reqs])
 
-    def _commit(self, reqs: list[Request], verified: _Verified, proposer_time: float, target_time: float) -> None:
-        feedback = VerifyFeedback([], [], [], [], [])
-        for i, r in enumerate(reqs):
-            start = r.num_computed_tokens  # the root's position
-            committed = []
-            for tok in verified.token_ids[i]:
-                committed.append(tok)
-                if r.append_token(tok, self.config.max_model_len):
-                    break
+    def _commit(self, s: ScheduledRequest, c: _Computed, feedback: VerifyFeedback) -> None:
+        """Apply one request's computed share: its chunk or root becomes computed, its tokens
+        are appended under the stop rules, and a decode step's figures are recorded."""
+        r = s.request
+        start = r.num_computed_tokens  # the chunk's first position, or the root's
+        r.num_computed_tokens += s.num_new_tokens
+        committed = []
+        for tok in c.token_ids:
+            committed.append(tok)
+            if r.append_token(tok, self.config.max_model_len):
+                break
+        if committed:
             # KV entries of rejected drafts stay past this count until the scheduler frees
             # their slots; they are rewritten before any query can see them.
             r.num_computed_tokens = r.num_tokens - 1
-            if r.params.logprobs is not None:  # row j scored committed[j]
-                r.logprobs.extend(token_logprobs(verified.logits[i], committed, r.params.logprobs))
-            accepted = len(verified.accepted_nodes[i])
-            # A tree counts its depth as drafted (the most one pass can accept), so acceptance
-            # by position reads as acceptance by depth.
-            r.spec.record(verified.depth[i], accepted, accepted + 1)
-            r.spec.proposer_time_s += proposer_time
-            r.spec.target_time_s += target_time
-            if r.num_speculative_tokens:
-                if verified.hidden is not None:
-                    self.proposer.observe_hidden(r.request_id, start, verified.hidden[i])
-                feedback.request_ids.append(r.request_id)
-                feedback.num_draft.append(verified.num_draft[i])
-                feedback.num_accepted.append(accepted)
-                feedback.committed_token_ids.append(committed)
-                feedback.accepted_nodes.append(verified.accepted_nodes[i])
-        if self.proposer and feedback.request_ids:
+        if c.logits is not None:  # row j scored committed[j]
+            r.logprobs.extend(token_logprobs(c.logits, committed, r.params.logprobs))
+        if c.hidden is not None and r.num_speculative_tokens:
+            self.proposer.observe_hidden(r.request_id, start, c.hidden)
+        if not c.decode:
+            return
+        accepted = len(c.accepted_nodes)
+        # A tree counts its depth as drafted (the most one pass can accept), so acceptance
+        # by position reads as acceptance by depth.
+        r.spec.record(c.depth, accepted, accepted + 1)
+        r.spec.proposer_time_s += c.proposer_time_s
+        r.spec.target_time_s += c.target_time_s
+        if r.num_speculative_tokens:
+            feedback.request_ids.append(r.request_id)
+            feedback.num_draft.append(c.num_draft)
+            feedback.num_accepted.append(accepted)
+            feedback.committed_token_ids.append(committed)
+            feedback.accepted_nodes.append(c.accepted_nodes)
+
+    def _observe(self, feedback: VerifyFeedback) -> None:
+        """Verification results to the proposer; if it fails on the batch, each request's
+        results alone, so that only the request it fails on is failed."""
+        if not (self.proposer and feedback.request_ids):
+            return
+        try:
             self.proposer.observe(feedback)
+        except Exception:
+            for i, rid in enumerate(feedback.request_ids):
+                self._guarded(self.requests[rid], self.proposer.observe, feedback.row(i))
+
+    def _guarded(self, req: Request, action, *args):
+        """action(*args) on behalf of one request, which fails alone if it raises; None when
+        it raised or the request had failed already."""
+        if req.failed:
+            return None
+        try:
+            return action(*args)
+        except Exception as e:
+            self._fail(req, e)
+            return None
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """End a request its step failed for (a bug, or values that got past validation) with
+        finish_reason "error"; its blocks are freed with the step's finished requests."""
+        logger.error("request %s failed and ends with finish_reason 'error'; the engine goes on", req.request_id,
+                     exc_info=error)
+        req.fail(f"{type(error).__name__}: {error}")
+
+    def _forget_drafts(self, req: Request) -> None:
+        """Drop the proposer's state of a request (finished, preempted, or computed again)."""
+        if not (self.proposer and req.num_speculative_tokens):
+            return
+        try:
+            self.proposer.remove_request(req.request_id)
+        except Exception:  # a leak in the proposer must not fail the engine
+            logger.exception("proposer %r failed to drop request %s", self.proposer.name, req.request_id)
 
     # ---- outputs ---------------------------------------------------------------------------
 
@@ -304,14 +410,13 @@ class LLMEngine:
         req.status = Status.FINISHED
         if req.metrics.finished_time is None:
             req.metrics.finished_time = time.perf_counter()
-        if self.proposer and req.num_speculative_tokens:
-            self.proposer.remove_request(req.request_id)
+        self._forget_drafts(req)
 
     def _output(self, r: Request) -> RequestOutput:
         if r.finished and r.metrics.finished_time is None:
             r.metrics.finished_time = time.perf_counter()
         completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
-                                      list(r.logprobs) if r.params.logprobs is not None else None)
+                                      list(r.logprobs) if r.params.logprobs is not None else None, r.error)
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], r.finished,
                              r.metrics, r.spec, new_text=r.take_new_text())
 

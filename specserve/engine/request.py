@@ -42,6 +42,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # what failed, when finish_reason is "error"
     text: str = ""
     num_text_sent: int = 0  # characters of `text` already handed out for streaming
     spec: SpecStats = field(default_factory=SpecStats)
@@ -74,6 +75,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason == "error"
 
     def append_token(self, token: int, max_model_len: int) -> bool:
         """Commit one verified token and apply the stop rules; returns True when it finished
@@ -119,6 +124,10 @@ class Request:
 
     def abort(self) -> None:
         self.status, self.finish_reason = Status.FINISHED, "abort"
+
+    def fail(self, error: str) -> None:
+        """End the request because serving it raised: its tokens so far stay its output."""
+        self.status, self.finish_reason, self.stop_reason, self.error = Status.FINISHED, "error", None, error
 
     def take_new_text(self) -> str:
         """Text not handed out yet. While stop strings are active, the last len(longest) - 1

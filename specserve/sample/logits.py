@@ -48,7 +48,7 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str) -> SamplingTensors:
         greedy = [p.greedy for p in params]
-        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        top_k = [0 if g else max(p.top_k, 0) for p, g in zip(params, greedy)]  # -1 is "off" too
         top_p = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         return cls(

@@ -3,13 +3,14 @@ handlers. Translation to engine calls lives in serving.py; the bodies in protoco
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,15 +19,26 @@ from specserve import __version__
 from specserve.server.errors import APIError, error_response, validation_message
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, ModelCard, ModelList)
+                                       CompletionResponse, ErrorResponse, ModelCard, ModelList, fill_model_bounds)
 from specserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("specserve.server")
 
 _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in [
     (400, "invalid request: the message names the parameter and what is allowed"),
-    (401, "missing or wrong API key"), (404, "unknown model"), (413, "request body too large"),
+    (401, "missing or wrong API key"), (404, "unknown model"),
+    (408, "the request body did not arrive within --body-timeout seconds"), (413, "request body too large"),
+    (500, "generating this request failed (a bug in specserve); the server goes on serving others"),
     (503, "the waiting queue is full, or the server is shutting down")]}
+# With "stream": true the answer is server-sent events (the schema describes one event): each
+# one's data a chunk as JSON, or an error object if generation failed after the stream began,
+# and the last one's `[DONE]`.
+_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+_GENERATION = _ERRORS | {200: {"content": {"text/event-stream": {"schema": _EVENT}},
+                               "description": "the response, or its stream of chunks"}}
+
+# The body model of each route that takes one, to name its required fields when it is missing.
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
@@ -45,15 +57,18 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a specserve engine (lossless speculative decoding)")
-    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout_s=config.body_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = validation_message(list(e.errors()))
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        body = _BODIES.get(request.url.path)
+        required = tuple(n for n, f in body.model_fields.items() if f.is_required()) if body else ()
+        message, param = validation_message(list(e.errors()), required)
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -72,7 +87,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
             return error_response(503, "the engine is not taking requests (shutting down or stopped)")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -81,26 +97,42 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
         return ModelList(data=[ModelCard(id=name, created=0, max_model_len=config.max_model_len)
                                for name in config.served_model_names])
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_GENERATION)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
 
+    def openapi() -> dict:
+        """FastAPI's document, with the served model's bounds filled in and without the 422
+        responses FastAPI lists by default (invalid requests get 400 here)."""
+        if app.openapi_schema is None:
+            doc = FastAPI.openapi(app)
+            fill_model_bounds(doc, serving.model_bounds())
+            for operation in (op for path in doc["paths"].values() for op in path.values()):
+                operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                doc["components"]["schemas"].pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 class Guard:
     """ASGI middleware in front of every route: checks the API key of /v1 calls (a constant-time
     comparison, so response timing does not leak the key) and reads request bodies up to
-    `max_body_bytes`, refusing larger ones with 413 before anything parses them."""
+    `max_body_bytes`, refusing larger ones with 413 before anything parses them, and bodies
+    still incomplete after `body_timeout_s` with 408 (a client that declares more bytes than it
+    sends would otherwise hold its connection and a handler for as long as it likes)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -119,8 +151,12 @@ class Guard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await self._too_slow(scope, receive, send, size)
             if message["type"] == "http.disconnect":
                 return
             chunks.append(message.get("body", b""))
@@ -140,6 +176,12 @@ class Guard:
             return await receive()  # after the body: only the disconnect can come
 
         await self.app(scope, replay, send)
+
+    async def _too_slow(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        resp = error_response(408, f"the request body was not complete after {self.body_timeout_s:g} seconds "
+                                   f"({size} bytes arrived; --body-timeout); send the whole body at once",
+                              code="body_timeout", headers={"Connection": "close"})
+        await resp(scope, receive, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
         resp = error_response(413, f"the request body ({size} bytes or more) is larger than the limit of "

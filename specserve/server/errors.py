@@ -4,6 +4,7 @@ is allowed; a 500 means a bug in specserve."""
 
 from __future__ import annotations
 
+import re
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
@@ -12,7 +13,7 @@ from specserve.server.protocol import ErrorInfo, ErrorResponse
 
 # OpenAI's error "type" strings by status, so that clients raise their usual exception classes.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           499: "client_closed_request", 503: "service_unavailable_error", 500: "internal_error"}
 
 
@@ -32,30 +33,42 @@ class APIError(Exception):
         return error_response(self.status, self.message, self.param, self.code, self.headers)
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error object of a response with that status, or of a stream's error event (whose
+    HTTP status, 200, was sent before the failure)."""
+    kind = _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code)).model_dump()
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = _TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic/FastAPI validation errors -> one message naming each bad field, and the first
-    field's name as `param`."""
+# The branch a union adds to an error's location ("prompt.list[constrained-int]"): the field is
+# what a client needs to know.
+_BRANCH = re.compile(r"^(str|int|float|bool|constrained-[\w-]+|[\w-]+\[.*\])$")
+
+
+def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tuple[str, str | None]:
+    """pydantic/FastAPI validation errors -> one message naming each bad field (what each
+    branch of a union expected, once), and the first field's name as `param`. `required`: the
+    body's required fields, named when the whole body is missing."""
+    fields: dict[str | None, list[dict]] = {}
+    for e in errors:
+        name = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not _BRANCH.match(str(x))) or None
+        fields.setdefault(name, []).append(e)
     parts: list[str] = []
-    first: str | None = None
-    for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        # Unions add the branch type to the location ("prompt.str"); the field is what matters.
-        loc = [x for x in loc if x not in {"str", "int", "float", "bool", "list[str]", "list[int]",
-                                           "list[list[int]]", "list[TextPart]", "constrained-str"}]
-        name = ".".join(loc) or None
-        first = first or name
+    for name, errs in list(fields.items())[:5]:
+        e = errs[0]
         kind = e.get("type", "")
         if kind == "json_invalid":
             parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
         elif kind == "extra_forbidden":
             parts.append(f"unknown parameter {name!r}: this API does not accept it")
+        elif kind == "missing" and name is None:
+            names = " and ".join(repr(f) for f in required) or "the request's parameters"
+            parts.append(f"the request body is empty; send a JSON object with {names}")
         elif kind == "missing":
             parts.append(f"missing required parameter {name!r}")
         elif name is None:
@@ -63,7 +76,14 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
         else:
             value = e.get("input")
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-            parts.append(f"invalid {name}={shown}: {e.get('msg', 'invalid value')}")
-    if len(errors) > 5:
-        parts.append(f"and {len(errors) - 5} more")
-    return "; ".join(parts) or "invalid request", first
+            expected = ", or ".join(dict.fromkeys(_expected(x) for x in errs))
+            parts.append(f"invalid {name}={shown}: {expected}")
+    if len(fields) > 5:
+        parts.append(f"and {len(fields) - 5} more")
+    return "; ".join(parts) or "invalid request", next((n for n in fields if n is not None), None)
+
+
+def _expected(error: dict) -> str:
+    if error.get("type") == "string_too_short" and error.get("ctx", {}).get("min_length") == 1:
+        return "must not be empty"
+    return error.get("msg", "invalid value")

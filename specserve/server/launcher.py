@@ -1,8 +1,9 @@
 """`specserve serve`: load the model, build the engine and the app, run uvicorn until SIGTERM.
 
 Shutdown: on SIGTERM (or Ctrl-C) uvicorn stops accepting connections and lets open requests
-run for up to --grace-period seconds, then cancels them (their engine requests are aborted);
-the app's lifespan stops the engine thread and the process exits 0.
+run for up to --grace-period seconds; then the engine aborts the rest, whose streams end with a
+last chunk (finish_reason "abort") and `data: [DONE]` (server/shutdown.py). The app's lifespan
+stops the engine thread and the process exits 0.
 """
 
 from __future__ import annotations
@@ -36,19 +37,20 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
+    s.add_argument("--body-timeout", type=float, default=10.0,
+                   help="seconds a request body may take to arrive; slower ones get 408 and the connection closes")
     s.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log line")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run_serve(args) -> int:
-    import uvicorn
-
     from specserve.cli import _spec_config
     from specserve.config import SpeculativeConfig
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.server.serving import ServerConfig
+    from specserve.server.shutdown import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specserve.server")
@@ -63,8 +65,10 @@ def run_serve(args) -> int:
         raise InvalidParameterError("max_waiting", args.max_waiting, "must be >= 0")
     if args.max_body_bytes < 1024:
         raise InvalidParameterError("max_body_bytes", args.max_body_bytes, "must be >= 1024")
-    if args.grace_period < 0:
+    if not args.grace_period >= 0:
         raise InvalidParameterError("grace_period", args.grace_period, "must be >= 0 seconds")
+    if not args.body_timeout > 0:
+        raise InvalidParameterError("body_timeout", args.body_timeout, "must be > 0 seconds")
     sock = _bind(args.host, args.port)
 
     t = time.perf_counter()
@@ -74,16 +78,15 @@ def run_serve(args) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching)
     names = tuple(args.served_model_name or [loaded.name])
     config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
-                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                          grace_period_s=args.grace_period)
-    app = build_app_for(llm, config, args.max_waiting)
+                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                          log_prompts=args.log_prompts, grace_period_s=args.grace_period)
+    app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
-    log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %d KV blocks)", loaded.name, time.perf_counter() - t,
-             args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.engine.scheduler.pool.num_blocks)
+    log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %s)", loaded.name, time.perf_counter() - t,
+             args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.kv_budget.describe())
     log.info("serving %s on http://%s:%d/v1", ", ".join(names), host, port)
 
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False,
-                                           timeout_graceful_shutdown=args.grace_period, lifespan="on"))
+    server = DrainingServer(app, engine, args.grace_period, log_level=args.log_level, access_log=False, lifespan="on")
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler of our own
     # turns that into a normal return, so a SIGTERM'd server exits 0 after its graceful stop.
     stops: list[int] = []
@@ -95,7 +98,8 @@ def run_serve(args) -> int:
 
 
 def build_app_for(llm, config, max_waiting: int | None):
-    """The app around an LLM's engine (the server's and the tests' one way to make it)."""
+    """The app around an LLM's engine, and the AsyncEngine it serves from (the server's and the
+    tests' one way to make them)."""
     from specserve.engine.async_engine import AsyncEngine
     from specserve.server.app import build_app
     from specserve.server.metrics import ServerMetrics
@@ -104,12 +108,16 @@ def build_app_for(llm, config, max_waiting: int | None):
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     metrics = ServerMetrics(engine, config.served_model_names[0])
     engine.on_finish = metrics.on_finish
-    return build_app(OpenAIServing(engine, llm.tokenizer, config), metrics)
+    return build_app(OpenAIServing(engine, llm.tokenizer, config), metrics), engine
 
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio turns on TCP_NODELAY for the connections it
+    # accepts only when the socket says it is TCP. Without it, Nagle's algorithm and the
+    # client's delayed ACK hold each response's last segment back ~40 ms on a kept-alive
+    # connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -23,7 +23,7 @@ class ServerMetrics:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.registry = r = CollectorRegistry()
         label = {"model_name": model_name}
-        self.requests = Counter("specserve_requests", "Engine requests ended, by finish reason (stop, length, abort)",
+        self.requests = Counter("specserve_requests", "Engine requests ended, by finish reason (stop, length, abort, error)",
                                 ["model_name", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of ended requests", ["model_name"], registry=r).labels(**label)
         self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", ["model_name"], registry=r).labels(**label)

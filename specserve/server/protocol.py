@@ -12,17 +12,60 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from specserve.config import MAX_SPECULATIVE_TOKENS
-from specserve.sampling_params import MAX_LOGPROBS
+from specserve.sampling_params import MAX_LOGPROBS, MAX_STOP, MAX_TOP_K
 
 MAX_N = 16  # choices per request; each is its own engine request
-MAX_STOP = 16  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API allows 0..5
+_MAX_TEXT = 1 << 20
 
-Text = Annotated[StrictStr, Field(max_length=1 << 20)]
+
+def model_bound(**bounds: str) -> dict:
+    """Schema keywords whose values depend on the served model, e.g. maximum="last_token_id".
+    They are written into the published OpenAPI document with the model's figures
+    (`fill_model_bounds`), and serving.py and the engine enforce the same figures."""
+    return {"x-model-bounds": bounds}
+
+
+def fill_model_bounds(schema: object, figures: dict[str, int]) -> None:
+    """Replace every model_bound marker in an OpenAPI document (in place) by its keywords with
+    the model's figures: last_token_id, max_new_tokens, max_prompt_tokens, max_speculative_tokens."""
+    if isinstance(schema, dict):
+        for keyword, name in schema.pop("x-model-bounds", {}).items():
+            schema[keyword] = figures[name]
+        for value in schema.values():
+            fill_model_bounds(value, figures)
+    elif isinstance(schema, list):
+        for value in schema:
+            fill_model_bounds(value, figures)
+
+
+def _forbids(fields: dict[str, dict]) -> dict:
+    """A body-level schema refusing bodies where every one of `fields` is present and matches."""
+    return {"not": {"required": list(fields), "properties": fields}}
+
+
+def _integral(value: object) -> object:
+    """JSON Schema's integers include numbers written with a zero fraction (3.0); strings and
+    booleans stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**constraints):
+    """A JSON integer with pydantic Field constraints (ge, le, json_schema_extra). The
+    constraints sit inside the conversion of 3.0 to 3, where the schema shows them as
+    minimum and maximum."""
+    return Annotated[StrictInt, Field(**constraints), BeforeValidator(_integral)]
+
+
+Text = Annotated[StrictStr, Field(max_length=_MAX_TEXT)]
+NonEmptyText = Annotated[StrictStr, Field(min_length=1, max_length=_MAX_TEXT)]
+TokenId = integer(ge=0, json_schema_extra=model_bound(maximum="last_token_id"))
+# Bounded by the context: serving.py answers a larger value with the most this prompt allows.
+MaxNewTokens = integer(ge=1, json_schema_extra=model_bound(maximum="max_new_tokens"))
 
 
 class _Strict(BaseModel):
@@ -37,33 +80,42 @@ class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: StrictStr | None = Field(None, description="a served model name; the default model when omitted")
-    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    n: integer(ge=1, le=MAX_N) = 1
     temperature: StrictFloat | None = Field(None, ge=0, le=2, description="0 is greedy; default 1")
     top_p: StrictFloat | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = Field(None, ge=-1, description="extension: -1 or 0 disables top-k")
+    top_k: integer(ge=-1, le=MAX_TOP_K) | None = Field(None, description="extension: -1 or 0 disables top-k; "
+                                                       "values at or above the vocabulary size keep every token")
     min_p: StrictFloat | None = Field(None, ge=0, le=1, description="extension")
-    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
-    stop: Text | list[Text] | None = Field(None, description=f"up to {MAX_STOP} non-empty strings")
+    seed: integer(ge=0, le=2**63 - 1) | None = None
+    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP)] | None = Field(
+        None, description=f"up to {MAX_STOP} non-empty strings")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = Field(0.0, ge=0, le=0, description="accepted for compatibility; only 0")
     frequency_penalty: StrictFloat = Field(0.0, ge=0, le=0, description="accepted for compatibility; only 0")
     user: StrictStr | None = Field(None, max_length=256)
     ignore_eos: StrictBool = Field(False, description="extension")
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = Field(None, max_length=MAX_STOP, description="extension")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP, description="extension")
     speculative: StrictBool = Field(True, description="extension: false decodes this request without speculation")
-    num_speculative_tokens: StrictInt | None = Field(
-        None, ge=0, le=MAX_SPECULATIVE_TOKENS, description="extension: draft length for this request (0: none)")
+    num_speculative_tokens: integer(ge=0, le=MAX_SPECULATIVE_TOKENS,
+                                    json_schema_extra=model_bound(maximum="max_speculative_tokens")) | None = Field(
+        None, description="extension: draft length for this request (0: none; only 0 on a server without speculation)")
+
+
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=model_bound(maxItems="max_prompt_tokens"))]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | \
-        Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]],
-                  Field(min_length=1, max_length=MAX_PROMPTS)]
-    max_tokens: StrictInt | None = Field(16, ge=1, description="default 16 as in OpenAI; null: the rest of the context")
-    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: StrictBool = False
+    # A prompt, and the prompt plus max_tokens, must fit the context: a bound in tokens that a
+    # schema cannot state for text, answered 400 (context_length_exceeded) when broken.
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)] | \
+        TokenPrompt | Annotated[list[TokenPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+    max_tokens: MaxNewTokens | None = Field(16, description="default 16 as in OpenAI; null: the rest of the context")
+    logprobs: integer(ge=0, le=MAX_COMPLETION_LOGPROBS) | None = None
+    echo: StrictBool = Field(False, description="not together with logprobs (prompt log probabilities are not computed)")
+
+    # The schema says what serving.py answers 400: echo with logprobs.
+    model_config = ConfigDict(json_schema_extra=_forbids({"echo": {"const": True}, "logprobs": {"type": "integer"}}))
 
 
 class TextPart(_Strict):
@@ -79,10 +131,14 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
-    max_tokens: StrictInt | None = Field(None, ge=1, description="deprecated by OpenAI; max_completion_tokens wins")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="default: the rest of the context")
+    max_tokens: MaxNewTokens | None = Field(None, description="deprecated by OpenAI; max_completion_tokens wins")
+    max_completion_tokens: MaxNewTokens | None = Field(None, description="default: the rest of the context")
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="needs logprobs=true")
+
+    # The schema says what serving.py answers 400: top_logprobs without logprobs=true.
+    model_config = ConfigDict(json_schema_extra=_forbids({"top_logprobs": {"type": "integer"},
+                                                          "logprobs": {"not": {"const": True}}}))
 
 
 # ---- responses -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ class Renderer:
     def completion(self, job, echo: list[str]) -> dict:
         choices = []
         for c in job.choices:
-            o = c.final.outputs[0]
+            o = c.last.outputs[0]
             prefix = echo[c.prompt_index]
             choices.append({"index": c.index, "text": prefix + o.text,
                             "logprobs": None if o.logprobs is None else self.completion_logprobs(o.logprobs, len(prefix)),
@@ -36,7 +36,7 @@ class Renderer:
     def chat(self, job) -> dict:
         choices = []
         for c in job.choices:
-            o = c.final.outputs[0]
+            o = c.last.outputs[0]
             choices.append({"index": c.index, "message": {"role": "assistant", "content": o.text},
                             "logprobs": None if o.logprobs is None else {"content": self.chat_logprobs(o.logprobs)},
                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
@@ -44,10 +44,10 @@ class Renderer:
                                       usage=self.usage(job)).model_dump()
 
     def usage(self, job) -> Usage:
-        finals = [c.final for c in job.choices if c.final is not None]
-        completion = sum(len(o.outputs[0].token_ids) for o in finals)
+        lasts = [c.last for c in job.choices if c.last is not None]
+        completion = sum(len(o.outputs[0].token_ids) for o in lasts)
         prompt = sum(len(ids) for ids, _ in job.prompts)  # each prompt once, however many choices
-        spec = SpecStats.total(o.spec for o in finals)
+        spec = SpecStats.total(o.spec for o in lasts)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      speculative=SpecUsage(num_drafted_tokens=spec.num_drafted, num_accepted_tokens=spec.num_accepted,
                                            acceptance_rate=round(spec.acceptance_rate, 4),
@@ -102,9 +102,3 @@ class Renderer:
             return {"token": text, "logprob": max(value, _MIN_LOGPROB), "bytes": list(text.encode("utf-8"))}
 
         return [entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in logprobs]
-
-
-def error_body(e: Exception) -> dict:
-    """A failure after a stream started: the status is already sent, so it travels as an event."""
-    return {"error": {"message": str(e), "type": "invalid_request_error" if isinstance(e, ValueError) else "internal_error",
-                      "param": getattr(e, "param", None), "code": None}}

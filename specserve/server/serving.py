@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specserve.config import MAX_SPECULATIVE_TOKENS
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
-from specserve.errors import InvalidParameterError, SpecserveError
+from specserve.errors import InvalidParameterError, PromptError, SpecserveError
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.sampling_params import SamplingParams
 from specserve.server import render
-from specserve.server.errors import APIError
-from specserve.server.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
+from specserve.server.errors import APIError, error_body
+from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.tokenizer import Tokenizer
 
 logger = logging.getLogger("specserve.server")
@@ -38,6 +39,7 @@ class ServerConfig:
     max_model_len: int
     api_key: str | None = None
     max_body_bytes: int = 2 << 20  # request bodies above this are refused before parsing
+    body_timeout_s: float = 10.0  # a request body must arrive whole within this time (else 408)
     log_prompts: bool = False  # prompt text in the per-request log line (off: prompts may be private)
     grace_period_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
 
@@ -49,9 +51,25 @@ class Choice:
     index: int
     prompt_index: int
     handle: object  # the AsyncEngine submission
-    final: RequestOutput | None = None
+    # The latest output of this choice: its final one once finished; while streaming, the last
+    # one whose chunk went out.
+    last: RequestOutput | None = None
     text_sent: bool = False  # the first stream chunk of this choice went out
     logprobs_sent: int = 0
+
+    @property
+    def finish_reason(self) -> str:
+        """How the choice ended; one that never finished was aborted (its client went away, or
+        the server shut down)."""
+        return str(self.last.outputs[0].finish_reason) if self.last is not None and self.last.finished else "abort"
+
+    @property
+    def failure(self) -> str | None:
+        """The message for a choice whose generation raised (finish_reason "error"), else None."""
+        if self.finish_reason != "error":
+            return None
+        return (f"internal error in specserve while generating choice {self.index} "
+                f"({self.last.outputs[0].error}); the server goes on serving other requests")
 
 
 @dataclass(slots=True)
@@ -83,7 +101,9 @@ class OpenAIServing:
                                 "computed); drop one of them", "echo")
         prompts = self._completion_prompts(req.prompt)
         job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion")
-        params = self._params(req, prompts, req.max_tokens, explicit_max=req.max_tokens is not None,
+        # OpenAI's default of 16 new tokens, when the client sent none, is cut to the context left.
+        explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
+        params = self._params(req, prompts, req.max_tokens, explicit_max=explicit,
                               logprobs=req.logprobs, param_name="max_tokens")
         self._submit(job, req, params)
         echo = [text if req.echo else "" for _, text in prompts]
@@ -97,9 +117,7 @@ class OpenAIServing:
         model = self.model_name(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-                    for m in req.messages]
+        messages = chat_messages(req)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
@@ -117,6 +135,12 @@ class OpenAIServing:
         await self._collect(job, raw)
         return JSONResponse(self.render.chat(job))
 
+    def model_bounds(self) -> dict[str, int]:
+        """The served model's figures that bound request fields (protocol.model_bound)."""
+        limit = self.config.max_model_len
+        return {"last_token_id": self.engine.vocab_size - 1, "max_new_tokens": limit - 1, "max_prompt_tokens": limit - 1,
+                "max_speculative_tokens": MAX_SPECULATIVE_TOKENS if self.engine.speculative else 0}
+
     def model_name(self, requested: str | None) -> str:
         names = self.config.served_model_names
         if requested is None or requested in names:
@@ -132,7 +156,7 @@ class OpenAIServing:
         elif prompt and isinstance(prompt[0], int):
             prompt = [prompt]
         out = []
-        vocab = self.tokenizer.vocab_size
+        vocab = self.engine.vocab_size
         for p in prompt:
             if isinstance(p, str):
                 if not p:
@@ -150,19 +174,23 @@ class OpenAIServing:
         """Checks the request against the context and returns params for (prompt, choice)."""
         limit = self.config.max_model_len
         longest = max(len(ids) for ids, _ in prompts)
+        prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if longest >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
                                 f"{longest} tokens (at least one must be left to generate); shorten the prompt",
-                           "messages" if isinstance(req, ChatCompletionRequest) else "prompt", "context_length_exceeded")
+                           prompt_param, "context_length_exceeded")
+        for ids, _ in prompts:  # the engine's own checks, answered before any stream starts
+            try:
+                self.engine.check_prompt(ids)
+            except PromptError as e:
+                raise APIError(400, str(e), prompt_param) from e
         if explicit_max and longest + max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens, but the request asks for "
                                 f"{longest} prompt tokens plus {max_tokens} new tokens ({param_name}); "
                                 f"{param_name} may be at most {limit - longest} for this prompt",
                            param_name, "context_length_exceeded")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > MAX_STOP:
-            raise APIError(400, f"invalid stop: at most {MAX_STOP} stop sequences are allowed, got {len(stop)}", "stop")
-        if req.num_speculative_tokens and self.engine.engine.proposer is None:
+        if req.num_speculative_tokens and not self.engine.speculative:
             raise APIError(400, f"invalid num_speculative_tokens={req.num_speculative_tokens}: this server runs "
                                 "without speculative decoding (start it with --speculative); only 0 is allowed",
                            "num_speculative_tokens")
@@ -175,9 +203,11 @@ class OpenAIServing:
             room = limit - len(prompts[prompt_index][0])
             seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices must differ
             try:
-                return SamplingParams(max_tokens=min(max_tokens or room, room), seed=seed, **base)
+                params = SamplingParams(max_tokens=min(max_tokens or room, room), seed=seed, **base)
+                self.engine.check_params(params)
             except InvalidParameterError as e:
                 raise APIError(400, str(e), e.param) from e
+            return params
 
         make(0, 0)  # every field is checked before anything is queued
         return make
@@ -205,7 +235,7 @@ class OpenAIServing:
     async def _collect(self, job: Job, raw: Request) -> None:
         async def last(c: Choice) -> None:
             async for out in self.engine.stream(c.handle):
-                c.final = out
+                c.last = out
 
         tasks = [asyncio.create_task(last(c)) for c in job.choices]
         everything = asyncio.gather(*tasks)
@@ -215,6 +245,9 @@ class OpenAIServing:
             if not everything.done():
                 raise APIError(499, "the client closed the connection")
             everything.result()
+            failure = next((c.failure for c in job.choices if c.failure), None)
+            if failure:
+                raise APIError(500, failure, code="internal_error")
         except SpecserveError as e:
             raise APIError(400, str(e)) from e
         finally:
@@ -250,15 +283,20 @@ class OpenAIServing:
                 if item is None:
                     return  # the client is gone: the finally aborts what still runs
                 c, out = item
-                if isinstance(out, Exception):
-                    yield _sse(render.error_body(out))
+                if isinstance(out, Exception):  # refused by the engine, after the stream began
+                    yield _sse(error_body(400 if isinstance(out, SpecserveError) else 500, str(out),
+                                          getattr(out, "param", None)))
+                    break
+                if out.finished and out.outputs[0].finish_reason == "error":
+                    c.last = out
+                    yield _sse(error_body(500, c.failure, code="internal_error"))
                     break
                 first = not c.text_sent
                 c.text_sent = True
                 if out.finished:
-                    c.final = out
                     remaining -= 1
                 yield _sse(chunk(c, out, first))
+                c.last = out  # the chunk went out: the consumer asked for the next one
             else:
                 if include_usage:
                     yield _sse(self.render.usage_chunk(job))
@@ -270,11 +308,11 @@ class OpenAIServing:
             self._log(job)
 
     def _log(self, job: Job) -> None:
-        finals = [c.final for c in job.choices if c.final is not None]
-        spec = SpecStats.total(o.spec for o in finals)
-        reasons = ",".join(sorted({str(c.final.outputs[0].finish_reason) if c.final else "abort" for c in job.choices}))
+        lasts = [c.last for c in job.choices if c.last is not None]
+        spec = SpecStats.total(o.spec for o in lasts)
+        reasons = ",".join(sorted({c.finish_reason for c in job.choices}))
         line = (f"{job.request_id}: {len(job.choices)} choice(s), prompt {sum(len(p) for p, _ in job.prompts)} tok, "
-                f"output {sum(len(o.outputs[0].token_ids) for o in finals)} tok, finish {reasons}, "
+                f"output {sum(len(o.outputs[0].token_ids) for o in lasts)} tok, finish {reasons}, "
                 f"latency {time.perf_counter() - job.started:.3f}s")
         if spec.num_drafted:
             line += (f", acceptance {spec.acceptance_rate:.2f} ({spec.num_accepted}/{spec.num_drafted}), "
@@ -282,6 +320,14 @@ class OpenAIServing:
         if self.config.log_prompts:
             line += f", prompt {json.dumps([t for _, t in job.prompts])[:500]}"
         logger.info(line)
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as the chat template takes them: OpenAI's "developer" role is the
+    system role, and a content of text parts is their text."""
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+            for m in req.messages]
 
 
 async def _wait_disconnect(raw: Request) -> None:

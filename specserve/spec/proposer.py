@@ -143,6 +143,11 @@ class VerifyFeedback:
     # of node indices (root's child first).
     accepted_nodes: list[list[int]]
 
+    def row(self, i: int) -> VerifyFeedback:
+        """The feedback of the i-th request alone."""
+        return VerifyFeedback([self.request_ids[i]], [self.num_draft[i]], [self.num_accepted[i]],
+                              [self.committed_token_ids[i]], [self.accepted_nodes[i]])
+
 
 class Proposer(ABC):
     """A drafting method: `propose(batch) -> DraftProposal | DraftTreeProposal`, then
