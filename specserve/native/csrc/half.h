@@ -1,4 +1,4 @@
-// IEEE half precision to float (exact), for the generic kernels; SIMD levels use F16C.
+// IEEE half precision to float (exact), for generic code; SIMD levels use F16C.
 #pragma once
 
 #include <cstdint>
@@ -33,5 +33,7 @@ inline float half_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+inline void store_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
 
 }  // namespace specserve
