@@ -1,8 +1,9 @@
 """specserve's native quantized products (specserve/native/csrc/qgemm*) on GGUF Q4_0, Q4_1, Q8_0,
 Q4_K, Q5_K and Q6_K weights.
 
-Exact tests: `qgemm` equals, bit for bit, `reference_qgemm` below (qgemm.h's defined arithmetic
-in torch), at every CPU level this machine has and whatever rows share the call.
+Exact tests: units dequantize to the gguf package's own floats bit for bit; `qgemm` equals, bit
+for bit, `reference_qgemm` below (qgemm.h's defined arithmetic in torch), at every CPU level this
+machine has and whatever rows share the call; load-time quantization equals the gguf package's.
 One tolerance test, kept apart: `qgemm` against float64 products of the dequantized weight, within
 the error that int8 activation quantization explains.
 """
@@ -130,6 +131,36 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
+# ---- units ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_units_dequantize_to_gguf_bitwise(fmt):
+    raw, units = packed(fmt)
+    want = torch.from_numpy(dequantize(raw, Q[fmt]).reshape(ROWS, COLS).copy())
+    assert torch.equal(bits(ext.dequantize_units(int(Q[fmt]), units, ROWS, COLS)), bits(want))
+    ids = torch.tensor([39, 0, 17, 17, 5])
+    assert torch.equal(bits(ext.dequantize_rows(int(Q[fmt]), units, COLS, ids)), bits(want[ids]))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_quantize_weight_equals_gguf_package(fmt):
+    """ggml's reference rounding, as the gguf package has it, bit for bit: on normal weights of
+    magnitudes from 1e-9 (subnormal fp16 scales) to 1e7 (scales past fp16's range, to inf), on zero
+    and constant rows, and on blocks whose minimum (Q4_1's fp16 m) is a tie of the fp16 rounding."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    w *= np.logspace(-9, 7, 64, dtype=np.float32)[:, None]
+    w[0], w[1] = 0.0, 0.25
+    ties = np.float32([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2**-25, 3 * 2**-25, 2**-14 - 2**-25, 65519, 65520])
+    w[2:10] = ties[:, None] + np.abs(w[2:10])
+    w[2:10, ::32] = ties[:, None]
+    with np.errstate(over="ignore"):
+        want = quantize(w, Q[fmt])
+    got = ext.quantize_weight(int(Q[fmt]), torch.from_numpy(w))
+    assert np.array_equal(got.numpy(), want)
+
+
 # ---- products ------------------------------------------------------------------------------------
 
 
@@ -201,5 +232,13 @@ def test_bad_inputs_are_refused_with_clear_messages():
         ext.qgemm(0, int(Q.Q6_K), units, ROWS, torch.randn(1, COLS))
     with pytest.raises(RuntimeError, match="units hold a weight of 512 columns, not 256"):
         ext.qgemm(0, q4k, units, ROWS, torch.randn(1, 256))
+    with pytest.raises(RuntimeError, match="units hold at most 48 rows, asked for 49"):
+        ext.dequantize_units(q4k, units, 49, COLS)
+    with pytest.raises(RuntimeError, match=r"row id 48 is outside the packed rows \[0, 48\)"):
+        ext.dequantize_rows(q4k, units, COLS, torch.tensor([3, 48]))
+    with pytest.raises(RuntimeError, match="quantize_weight makes Q8_0 or Q4_1 blocks, not Q4_K"):
+        ext.quantize_weight(q4k, torch.randn(4, 256))
+    with pytest.raises(RuntimeError, match=r"weight columns \(40\) must be a multiple of 32"):
+        ext.quantize_weight(int(Q.Q8_0), torch.randn(4, 40))
     with pytest.raises(RuntimeError, match=r"bias must be float32 \[rows\]"):
         ext.qgemm(0, q4k, units, ROWS, torch.randn(1, COLS), torch.randn(ROWS + 1))

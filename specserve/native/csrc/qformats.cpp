@@ -1,7 +1,9 @@
-// GGUF block formats and their units (qgemm.h's layouts): repacking raw GGUF rows into units.
-// Generic code: runs on any CPU.
+// GGUF block formats and their units (qgemm.h's layouts): repacking raw GGUF rows into units,
+// dequantizing units back to GGUF's own floats, and quantizing float weights into GGUF blocks at
+// load. Generic code: runs on any CPU.
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "half.h"
@@ -155,6 +157,60 @@ void repack_rows(int format, const uint8_t* raw, int64_t rows, int64_t nb, uint8
         }
       }
     }
+  });
+}
+
+void dequantize_row(int format, const uint8_t* units, int64_t nb, int64_t r, float* out) {
+  const int64_t g = r / kUnitRows;
+  const int rr = static_cast<int>(r % kUnitRows);
+  RowBlock rb;
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_row(format, unit_header(format, units, nb, g, b), unit_body(format, units, nb, g, b), rr, rb);
+    for (int i = 0; i < kBlock; ++i) {
+      float v = (rb.d * static_cast<float>(rb.sc[i / 16])) * static_cast<float>(rb.q[i]);
+      if (has_min(format)) v = v + rb.m;
+      out[b * kBlock + i] = v;
+    }
+  }
+}
+
+namespace {
+
+// ggml's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x / d) (by the reciprocal, ties away).
+void quantize_q8_0(const float* x, uint8_t* out) {
+  float amax = 0.0f;
+  for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  store_half(out, float_to_half(d));
+  for (int i = 0; i < kBlock; ++i) out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::round(x[i] * id)));
+}
+
+// ggml's quantize_row_q4_1_ref: d = (max - min) / 15, q = min(15, trunc((x - min) / d + 0.5)).
+void quantize_q4_1(const float* x, uint8_t* out) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < kBlock; ++i) {
+    lo = std::fmin(lo, x[i]);
+    hi = std::fmax(hi, x[i]);
+  }
+  const float d = (hi - lo) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  store_half(out, float_to_half(d));
+  store_half(out + 2, float_to_half(lo));
+  auto q = [&](float v) { return std::min(15, static_cast<int>((v - lo) * id + 0.5f)); };
+  for (int i = 0; i < 16; ++i) out[4 + i] = static_cast<uint8_t>(q(x[i]) | (q(x[16 + i]) << 4));
+}
+
+}  // namespace
+
+void quantize_weight_rows(int format, const float* w, int64_t rows, int64_t cols, uint8_t* raw) {
+  const int64_t nb = cols / kBlock;
+  const size_t bb = gguf_block_bytes(format);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* x = w + r * cols + b * kBlock;
+        uint8_t* out = raw + (r * nb + b) * bb;
+        if (format == FMT_Q8_0) quantize_q8_0(x, out); else quantize_q4_1(x, out);
+      }
   });
 }
 

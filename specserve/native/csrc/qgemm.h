@@ -183,6 +183,17 @@ SPECSERVE_INLINE void unpack_row(int format, const uint8_t* header, const uint8_
 // row-major) into units [ceil(rows / 16)][nb]; rows past `rows` in the last unit row are zero.
 void repack_rows(int format, const uint8_t* raw, int64_t rows, int64_t nb, uint8_t* out);
 
+// Row r of a packed weight of nb blocks per row as nb * 32 floats, bit for bit GGUF's own
+// dequantization of the raw row (the gguf package's and ggml's): (d * sc) * q, + m where the
+// format has a min, each operation rounded to float32.
+void dequantize_row(int format, const uint8_t* units, int64_t nb, int64_t r, float* out);
+
+// Load-time quantization of float weights into raw GGUF blocks, with the rounding of ggml's
+// reference quantizers (and the gguf package's): rows [0, rows) of w (cols a multiple of 32) into
+// raw [rows][cols / 32 * gguf_block_bytes]. Q8_0 and Q4_1.
+constexpr bool can_quantize_weight(int format) { return format == FMT_Q8_0 || format == FMT_Q4_1; }
+void quantize_weight_rows(int format, const float* w, int64_t rows, int64_t cols, uint8_t* raw);
+
 // The GGUF name of a format ("Q4_K"), for messages.
 const char* format_name(int format);
 

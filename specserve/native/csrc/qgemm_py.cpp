@@ -1,6 +1,8 @@
-// Python entry points of the quantized products: GGUF rows to units, activation quantization
-// and the products (qgemm.h defines what they compute).
+// Python entry points of the quantized products: GGUF rows to units and back, float weights to
+// GGUF blocks, activation quantization and the products (qgemm.h defines what they compute).
 #include <torch/extension.h>
+
+#include <ATen/Parallel.h>
 
 #include "qgemm.h"
 
@@ -38,6 +40,43 @@ torch::Tensor py_repack(int64_t format, torch::Tensor raw, int64_t cols) {
   auto out = torch::empty({groups, nb, static_cast<int64_t>(unit_bytes(format))}, raw.options());
   repack_rows(static_cast<int>(format), raw.data_ptr<uint8_t>(), rows, nb, out.data_ptr<uint8_t>());
   return out;
+}
+
+torch::Tensor py_dequantize_rows(int64_t format, torch::Tensor units, int64_t cols, torch::Tensor row_ids) {
+  const int64_t nb = check_units(format, units, cols);
+  TORCH_CHECK(row_ids.dtype() == torch::kInt64 && row_ids.dim() == 1, "row_ids must be int64 [n]");
+  const auto ids = row_ids.contiguous();
+  const int64_t n = ids.size(0), limit = units.size(0) * kUnitRows;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < limit, "row id ", id[i], " is outside the packed rows [0, ", limit, ")");
+  auto out = torch::empty({n, cols}, units.options().dtype(torch::kFloat32));
+  const uint8_t* u = units.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dequantize_row(static_cast<int>(format), u, nb, id[i], y + i * cols);
+  });
+  return out;
+}
+
+torch::Tensor py_dequantize_units(int64_t format, torch::Tensor units, int64_t rows, int64_t cols) {
+  check_units(format, units, cols);
+  TORCH_CHECK(rows >= 0 && rows <= units.size(0) * kUnitRows, "units hold at most ", units.size(0) * kUnitRows,
+              " rows, asked for ", rows);
+  return py_dequantize_rows(format, units, cols, torch::arange(rows, torch::kInt64));
+}
+
+torch::Tensor py_quantize_weight(int64_t format, torch::Tensor w) {
+  check_format(format);
+  TORCH_CHECK(can_quantize_weight(format), "quantize_weight makes Q8_0 or Q4_1 blocks, not ", format_name(format));
+  TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2, "weights must be float32 [rows, cols]");
+  TORCH_CHECK(w.size(1) % kBlock == 0, "weight columns (", w.size(1), ") must be a multiple of 32");
+  const auto x = w.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  auto raw = torch::empty({rows, cols / kBlock * static_cast<int64_t>(gguf_block_bytes(format))},
+                          x.options().dtype(torch::kUInt8));
+  quantize_weight_rows(static_cast<int>(format), x.data_ptr<float>(), rows, cols, raw.data_ptr<uint8_t>());
+  return raw;
 }
 
 void check_act_input(const torch::Tensor& x) {
@@ -93,6 +132,12 @@ void register_gemm(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("repack", &py_repack, "raw GGUF blocks uint8 [rows, row_bytes] -> units uint8 [groups, cols / 32, unit_bytes]",
         py::arg("format"), py::arg("raw"), py::arg("cols"));
+  m.def("dequantize_units", &py_dequantize_units, "units -> float32 [rows, cols], bitwise GGUF's dequantization",
+        py::arg("format"), py::arg("units"), py::arg("rows"), py::arg("cols"));
+  m.def("dequantize_rows", &py_dequantize_rows, "rows row_ids int64 [n] of units -> float32 [n, cols]",
+        py::arg("format"), py::arg("units"), py::arg("cols"), py::arg("row_ids"));
+  m.def("quantize_weight", &py_quantize_weight, "float32 [rows, cols] -> raw GGUF Q8_0 / Q4_1 blocks uint8 [rows, row_bytes]",
+        py::arg("format"), py::arg("w"));
   m.def("quantize_act", &py_quantize, "float32 [n, k] -> ActBlocks uint8 [n, k / 32, 48]", py::arg("level"), py::arg("x"));
   m.def("qgemm", &py_qgemm, "y [n, rows] = x W^T (+ bias) (+ residual) on packed units", py::arg("level"),
         py::arg("format"), py::arg("units"), py::arg("rows"), py::arg("x"), py::arg("bias") = py::none(),
