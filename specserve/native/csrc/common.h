@@ -20,6 +20,10 @@ enum Level : int {
   LEVEL_AMX = 5,
 };
 
+// For the small pieces of a kernel's inner loop, which GCC's size heuristics would otherwise
+// leave as calls once a kernel template grows.
+#define SPECSERVE_INLINE inline __attribute__((always_inline))
+
 #if defined(__x86_64__) || defined(_M_X64)
 constexpr bool kX86 = true;
 #else

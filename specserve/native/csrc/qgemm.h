@@ -21,17 +21,27 @@
 // performs exactly this sequence, so a row's result never depends on which or how many other
 // rows share the call (batch invariance) nor on the CPU level (the tests compare bits).
 //
-//   format  w[i]                    dw                 mw
-//   Q4_0    q - 8 (q: 4 bits)       d                  -
-//   Q4_1    q                       d                  m
-//   Q8_0    q (int8)                d                  -
-//   (K-quants are added by their own kernels with the same per-block sequence)
+//   format  w[i]                          dw                 mw
+//   Q4_0    q - 8 (q: 4 bits)             d                  -
+//   Q4_1    q                             d                  m
+//   Q8_0    q (int8)                      d                  -
+//   Q4_K    sc * q (sc: 6 bits, q: 4)     d (super-block)    -(dmin * m)  (m: 6 bits; the product is exact)
+//   Q5_K    sc * q (sc: 6 bits, q: 5)     d (super-block)    -(dmin * m)
+//   Q6_K    sc[h] * (q - 32) (q: 6 bits)  d (super-block)    -
+//
+// K-quants keep GGUF's 256-element super-blocks of 8 blocks: d and dmin are fp16 per super-block,
+// sc and m per block (Q6_K: one int8 sc per 16-element half h of the block, i.e. element i of the
+// block has sc[i / 16]). Their I needs the sub-scale product in int32 (|I| < 2^24 in every format),
+// formed at each level as sum over halves h of sc[h] * (sum over the half of u[i] * a[i]
+// - off * s16[h]), u the stored unsigned value and off its offset (Q4_0 8, Q6_K 32): the same
+// exact integer, however a level groups the sums.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "common.h"
+#include "half.h"
 
 namespace specserve {
 
@@ -43,6 +53,9 @@ enum Format : int {
   FMT_Q4_0 = 2,
   FMT_Q4_1 = 3,
   FMT_Q8_0 = 8,
+  FMT_Q4_K = 12,
+  FMT_Q5_K = 13,
+  FMT_Q6_K = 14,
 };
 
 // One 32-element block of one activation row. a[i] = d * q[i] approximately:
@@ -57,21 +70,132 @@ struct alignas(16) ActBlock {
 };
 static_assert(sizeof(ActBlock) == 48, "ActBlock is 48 bytes");
 
-// Bytes of one unit (16 rows x 32 elements) of a format, and of one raw GGUF block (1 row x 32).
-size_t unit_bytes(int format);
-size_t gguf_block_bytes(int format);
-bool format_supported(int format);
-
 // Unit layouts (all little-endian, fp16 as IEEE half):
 //   Q4_0: nib[4][16][4] u8 (256 B), d[16] fp16
 //   Q4_1: nib[4][16][4] u8 (256 B), d[16] fp16, m[16] fp16
 //   Q8_0: q[8][16][4] i8 (512 B), d[16] fp16
+//   Q4_K: nib[4][16][4] u8, sc[16] u8, m[16] u8                        (288 B)
+//   Q5_K: nib[4][16][4] u8, hb[16][4] u8, sc[16] u8, m[16] u8          (352 B)
+//   Q6_K: nib[4][16][4] u8, hq[2][16][4] u8, sc[2][16] i8              (416 B)
 // nib[p][r][e]: low nibble = element 4p + e (group p), high nibble = element 16 + 4p + e
-// (group p + 4) of row r. q[j][r][e] = element 4j + e of row r.
+// (group p + 4) of row r. q[j][r][e] = element 4j + e of row r. hb[r][e] bit j: the fifth bit
+// (value 16) of element 4j + e. hq[k][r][e] bits 2j..2j+1: bits 4..5 of element 4(4k + j) + e,
+// so plane k serves half k. sc[h][r]: the int8 scale of half h.
+//
+constexpr int kHighBits = 256;  // where Q5_K's hb and Q6_K's hq begin: after nib[4][16][4]
 
-// Repack rows [0, rows) of raw GGUF data (rows x blocks_per_row blocks, row-major) into units
-// [ceil(rows / 16)][blocks_per_row]; rows past `rows` in the last unit row are zero.
-void repack_rows(int format, const uint8_t* raw, int64_t rows, int64_t blocks_per_row, uint8_t* out);
+// K-quant units come in super-units of 8 (16 rows x one 256-element super-block): a header with
+// the 16 rows' d[16] fp16 (Q4_K, Q5_K: then dmin[16] fp16), then the 8 unit bodies above. A
+// super-unit's bytes are 8 x unit_bytes, so a unit row of nb blocks still spans nb x unit_bytes.
+struct UnitLayout {
+  int body;    // bytes of one unit's body
+  int header;  // bytes of a super-unit's header (0: no super-units)
+  int blocks;  // units per super-unit: 1, or 8 for K-quants
+  int gguf;    // bytes of one raw GGUF block of one row (32 elements, or 256 for K-quants)
+  int scales;  // where the rows' scales begin in the body: fp16 d[16] (then m[16]) for the 32-element
+               // formats, u8 / i8 sc[16] (then m[16], or Q6_K's second half's sc[16]) for K-quants
+};
+
+constexpr UnitLayout unit_layout(int format) {
+  switch (format) {
+    case FMT_Q4_0: return {256 + 32, 0, 1, 18, 256};
+    case FMT_Q4_1: return {256 + 64, 0, 1, 20, 256};
+    case FMT_Q8_0: return {512 + 32, 0, 1, 34, 512};
+    case FMT_Q4_K: return {256 + 32, 64, 8, 144, 256};
+    case FMT_Q5_K: return {256 + 64 + 32, 64, 8, 176, 320};
+    case FMT_Q6_K: return {256 + 128 + 32, 32, 8, 210, 384};
+    default: return {0, 0, 1, 0, 0};
+  }
+}
+
+// Bytes per unit (16 rows x 32 elements; a super-unit's header shared by its 8 units), and of one
+// raw GGUF block (1 row x 32 or 256 elements).
+constexpr size_t unit_bytes(int format) {
+  return static_cast<size_t>(unit_layout(format).body + unit_layout(format).header / unit_layout(format).blocks);
+}
+constexpr size_t gguf_block_bytes(int format) { return static_cast<size_t>(unit_layout(format).gguf); }
+constexpr int gguf_block_elements(int format) { return kBlock * unit_layout(format).blocks; }
+constexpr bool format_supported(int format) { return unit_layout(format).body != 0; }
+constexpr bool has_min(int format) { return format == FMT_Q4_1 || format == FMT_Q4_K || format == FMT_Q5_K; }
+
+// Unit b of unit row g in a packed weight of nb blocks per row: its super-unit's header (K-quants)
+// and its body.
+SPECSERVE_INLINE const uint8_t* unit_header(int format, const uint8_t* units, int64_t nb, int64_t g, int64_t b) {
+  return units + (g * nb + b - b % unit_layout(format).blocks) * unit_bytes(format);
+}
+SPECSERVE_INLINE const uint8_t* unit_body(int format, const uint8_t* units, int64_t nb, int64_t g, int64_t b) {
+  const UnitLayout l = unit_layout(format);
+  return unit_header(format, units, nb, g, b) + l.header + (b % l.blocks) * l.body;
+}
+
+// One row of one unit, unpacked (generic code: the reference kernel, dequantization).
+struct RowBlock {
+  int32_t q[kBlock];  // stored value less its offset: Q4_0 q - 8, Q6_K q - 32, else q
+  int32_t sc[2];      // integer sub-scale of each 16-element half (1 where the format has none)
+  float d;            // dw
+  float m;            // mw (0 where the format has no min)
+};
+
+SPECSERVE_INLINE void unpack_row(int format, const uint8_t* header, const uint8_t* body, int r, RowBlock& out) {
+  const int s = unit_layout(format).scales;
+  out.sc[0] = out.sc[1] = 1;
+  out.m = 0.0f;
+  if (format == FMT_Q8_0) {
+    for (int j = 0; j < 8; ++j)
+      for (int e = 0; e < 4; ++e) out.q[4 * j + e] = static_cast<int8_t>(body[(j * 16 + r) * 4 + e]);
+    out.d = half_to_float(load_half(body + s + 2 * r));
+    return;
+  }
+  for (int p = 0; p < 4; ++p)
+    for (int e = 0; e < 4; ++e) {
+      const uint8_t byte = body[(p * 16 + r) * 4 + e];
+      out.q[4 * p + e] = byte & 15;
+      out.q[16 + 4 * p + e] = byte >> 4;
+    }
+  switch (format) {
+    case FMT_Q4_0:
+    case FMT_Q4_1:
+      for (int i = 0; i < kBlock; ++i) out.q[i] -= format == FMT_Q4_0 ? 8 : 0;
+      out.d = half_to_float(load_half(body + s + 2 * r));
+      if (format == FMT_Q4_1) out.m = half_to_float(load_half(body + s + 32 + 2 * r));
+      return;
+    case FMT_Q5_K:
+      for (int i = 0; i < kBlock; ++i) out.q[i] |= ((body[kHighBits + 4 * r + i % 4] >> (i / 4)) & 1) << 4;
+      [[fallthrough]];
+    case FMT_Q4_K:
+      out.sc[0] = out.sc[1] = body[s + r];
+      out.d = half_to_float(load_half(header + 2 * r));
+      out.m = -(half_to_float(load_half(header + 32 + 2 * r)) * static_cast<float>(body[s + 16 + r]));
+      return;
+    case FMT_Q6_K:
+      for (int i = 0; i < kBlock; ++i) {
+        const int group = i / 4, plane = body[kHighBits + 64 * (group / 4) + 4 * r + i % 4];
+        out.q[i] = (out.q[i] | (((plane >> (2 * (group % 4))) & 3) << 4)) - 32;
+      }
+      out.sc[0] = static_cast<int8_t>(body[s + r]);
+      out.sc[1] = static_cast<int8_t>(body[s + 16 + r]);
+      out.d = half_to_float(load_half(header + 2 * r));
+      return;
+  }
+}
+
+// Repack rows [0, rows) of raw GGUF data (rows x nb / (blocks per GGUF block) raw blocks,
+// row-major) into units [ceil(rows / 16)][nb]; rows past `rows` in the last unit row are zero.
+void repack_rows(int format, const uint8_t* raw, int64_t rows, int64_t nb, uint8_t* out);
+
+// Row r of a packed weight of nb blocks per row as nb * 32 floats, bit for bit GGUF's own
+// dequantization of the raw row (the gguf package's and ggml's): (d * sc) * q, + m where the
+// format has a min, each operation rounded to float32.
+void dequantize_row(int format, const uint8_t* units, int64_t nb, int64_t r, float* out);
+
+// Load-time quantization of float weights into raw GGUF blocks, with the rounding of ggml's
+// reference quantizers (and the gguf package's): rows [0, rows) of w (cols a multiple of 32) into
+// raw [rows][cols / 32 * gguf_block_bytes]. Q8_0 and Q4_1.
+constexpr bool can_quantize_weight(int format) { return format == FMT_Q8_0 || format == FMT_Q4_1; }
+void quantize_weight_rows(int format, const float* w, int64_t rows, int64_t cols, uint8_t* raw);
+
+// The GGUF name of a format ("Q4_K"), for messages.
+const char* format_name(int format);
 
 // Quantize rows [0, n) of x (row stride ldx floats, k a multiple of 32) into act[n][k / 32].
 using QuantizeFn = void (*)(const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act);
@@ -87,6 +211,14 @@ struct GemmKernels {
   GemmFn gemm[16];  // by format id; null where the level has no kernel for it
 };
 
+// A level's kernel for one format. The SIMD levels list theirs as constant data, which generic
+// code copies into a table: filling a level's table runs no code built for that level.
+struct GemmEntry {
+  int format;
+  GemmFn fn;
+};
+GemmKernels make_gemm_kernels(QuantizeFn quantize, const GemmEntry* entries, int count);
+
 // The kernels of one level (null entries fall back to the next lower level's).
 const GemmKernels& gemm_kernels_generic();
 #if defined(__x86_64__) || defined(_M_X64)
@@ -94,5 +226,11 @@ const GemmKernels& gemm_kernels_avx2();
 const GemmKernels& gemm_kernels_avx512();
 const GemmKernels& gemm_kernels_avx512_vnni();
 #endif
+
+// The products at a CPU level (its kernels, threads over unit rows): act[n][k / 32] from x, then
+// y[n][rows] (row stride ldy; rows a multiple of 16) from the units, as defined above.
+void quantize_rows(int level, const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act);
+void gemm_rows(int level, int format, const uint8_t* units, int64_t rows, int64_t nb, const ActBlock* act,
+               int64_t n, const float* bias, const float* residual, int64_t ldr, float* y, int64_t ldy);
 
 }  // namespace specserve

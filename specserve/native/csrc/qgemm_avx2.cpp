@@ -1,6 +1,6 @@
 // AVX2 level of the quantized products (vpmaddubsw + vpmaddwd). A 256-bit register holds one
-// 4-element group of 8 rows, so a unit's 16 rows are done as two halves of 8; each row's
-// arithmetic is qgemm.h's, the same as every other level's.
+// 4-element group of 8 rows, so a unit's 16 rows are done as two sets of 8; each row's
+// arithmetic is qgemm.h's, the same as every other level's (qgemm_simd.inc).
 #include <cstdint>
 #include <cstring>
 
@@ -14,116 +14,59 @@
 namespace specserve::avx2 {
 namespace {
 
-constexpr int kTileTokens = 4;
-constexpr int kHalf = 8;
+// ---- the operations qgemm_simd.inc is written in ----------------------------------------------
 
-inline __m256i bcst4(const int8_t* p) {
+constexpr int kRows = 8;
+constexpr int kTileTokens = 4;
+constexpr bool kScaleInDot = true;
+constexpr int kQ8Bias = 0;
+using VI = __m256i;
+using VF = __m256;
+using Q8Sign = __m256i;  // the signed weights themselves (vpsignb takes their signs)
+
+inline VI load_groups(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline VF load_halfs(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI load_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI load_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline VI bcst4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
-
-struct Half {
-  __m256i w[8];  // unsigned weights of 8 rows, one register per 4-element group
-  __m256i sgn[8];  // Q8_0: the signed weights, whose signs go onto the activations
-  __m256 dw, mw;
-};
-
-// Rows 8h .. 8h+7 of a unit.
-template <int F>
-inline void decode(const uint8_t* u, int h, Half& out) {
-  if constexpr (F == FMT_Q8_0) {
-    for (int j = 0; j < 8; ++j) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * j + 32 * h));
-      out.w[j] = _mm256_abs_epi8(q);
-      out.sgn[j] = q;
-    }
-    out.dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 512 + 16 * h)));
-  } else {
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int p = 0; p < 4; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 64 * p + 32 * h));
-      out.w[p] = _mm256_and_si256(v, low);
-      out.w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
-    out.dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 256 + 16 * h)));
-    if constexpr (F == FMT_Q4_1)
-      out.mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 256 + 32 + 16 * h)));
-  }
+inline VI set1_epi8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+inline VI set1_epi16(int v) { return _mm256_set1_epi16(static_cast<int16_t>(v)); }
+inline VI set1_epi32(int v) { return _mm256_set1_epi32(v); }
+inline VI and_(VI a, VI b) { return _mm256_and_si256(a, b); }
+inline VI or_(VI a, VI b) { return _mm256_or_si256(a, b); }
+inline VI add32(VI a, VI b) { return _mm256_add_epi32(a, b); }
+inline VI mullo32(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+inline VI madd16(VI a, VI b) { return _mm256_madd_epi16(a, b); }
+inline VI shl16(VI v, int n) { return _mm256_slli_epi16(v, n); }
+inline VI shr16(VI v, int n) { return _mm256_srli_epi16(v, n); }
+inline VI shl32(VI v, int n) { return _mm256_slli_epi32(v, n); }
+inline VI dot4(VI acc, VI w, VI a, VI scale) {  // |w| <= 128, |a| <= 127: no saturation
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), scale));
 }
-
-inline __m256i dot4(__m256i acc, __m256i w, __m256i a) {
-  const __m256i pairs = _mm256_maddubs_epi16(w, a);  // |w| <= 128, |a| <= 127: no saturation
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+inline void q8_weights(VI q, VI& w, Q8Sign& sign) {
+  w = _mm256_abs_epi8(q);
+  sign = q;
 }
+inline VI q8_act(VI a, Q8Sign sign) { return _mm256_sign_epi8(a, sign); }
+inline VF zero_ps() { return _mm256_setzero_ps(); }
+inline VF set1_ps(float v) { return _mm256_set1_ps(v); }
+inline VF mul_ps(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF fmadd_ps(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF add_ps(VF a, VF b) { return _mm256_add_ps(a, b); }
+inline VF neg_ps(VF a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+inline VF cvt_ps(VI a) { return _mm256_cvtepi32_ps(a); }
+inline VF loadu_ps(const float* p) { return _mm256_loadu_ps(p); }
+inline void storeu_ps(float* p, VF v) { _mm256_storeu_ps(p, v); }
 
-template <int F>
-inline __m256i block_sums(const Half& w, const ActBlock& a) {
-  __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int j = 0; j < 8; j += 2) {
-    __m256i a0 = bcst4(a.q + 4 * j), a1 = bcst4(a.q + 4 * j + 4);
-    if constexpr (F == FMT_Q8_0) {
-      a0 = _mm256_sign_epi8(a0, w.sgn[j]);
-      a1 = _mm256_sign_epi8(a1, w.sgn[j + 1]);
-    }
-    s0 = dot4(s0, w.w[j], a0);
-    s1 = dot4(s1, w.w[j + 1], a1);
-  }
-  __m256i sum = _mm256_add_epi32(s0, s1);
-  if constexpr (F == FMT_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * (a.s16[0] + a.s16[1])));
-  return sum;
-}
+}  // namespace
 
-template <int F, int TN>
-inline void tile(const uint8_t* units, size_t ub, int64_t nb, int64_t g, int h, const ActBlock* act, int64_t t0,
-                 const float* bias, const float* residual, int64_t ldr, float* y, int64_t ldy) {
-  __m256 acc[TN];
-#pragma GCC unroll 16
-  for (int t = 0; t < TN; ++t) acc[t] = _mm256_setzero_ps();
-  Half w;
-  for (int64_t b = 0; b < nb; ++b) {
-    decode<F>(units + (g * nb + b) * ub, h, w);
-#pragma GCC unroll 16
-    for (int t = 0; t < TN; ++t) {
-      const ActBlock& a = act[(t0 + t) * nb + b];
-      const __m256 s = _mm256_mul_ps(w.dw, _mm256_set1_ps(a.d));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_sums<F>(w, a)), s, acc[t]);
-      if constexpr (F == FMT_Q4_1) acc[t] = _mm256_fmadd_ps(w.mw, _mm256_set1_ps(a.sd), acc[t]);
-    }
-  }
-  const int64_t col = g * kUnitRows + h * kHalf;
-#pragma GCC unroll 16
-  for (int t = 0; t < TN; ++t) {
-    __m256 v = acc[t];
-    if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
-    if (residual) v = _mm256_add_ps(v, _mm256_loadu_ps(residual + (t0 + t) * ldr + col));
-    _mm256_storeu_ps(y + (t0 + t) * ldy + col, v);
-  }
-}
+#include "qgemm_simd.inc"
 
-template <int F, int TN>
-void tail(const uint8_t* units, size_t ub, int64_t nb, int64_t g, int h, const ActBlock* act, int64_t t0,
-          int64_t left, const float* bias, const float* residual, int64_t ldr, float* y, int64_t ldy) {
-  if constexpr (TN > 0) {
-    if (left == TN) return tile<F, TN>(units, ub, nb, g, h, act, t0, bias, residual, ldr, y, ldy);
-    tail<F, TN - 1>(units, ub, nb, g, h, act, t0, left, bias, residual, ldr, y, ldy);
-  }
-}
-
-template <int F>
-void gemm(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1, const ActBlock* act, int64_t n,
-          const float* bias, const float* residual, int64_t ldr, float* y, int64_t ldy) {
-  const size_t ub = unit_bytes(F);
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int h = 0; h < 2; ++h) {
-      int64_t t0 = 0;
-      for (; t0 + kTileTokens <= n; t0 += kTileTokens)
-        tile<F, kTileTokens>(units, ub, nb, g, h, act, t0, bias, residual, ldr, y, ldy);
-      if (t0 < n) tail<F, kTileTokens - 1>(units, ub, nb, g, h, act, t0, n - t0, bias, residual, ldr, y, ldy);
-    }
-  }
-}
+namespace {
 
 inline int hsum_epi32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -181,14 +124,7 @@ void quantize(const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act) 
 namespace specserve {
 
 const GemmKernels& gemm_kernels_avx2() {
-  static const GemmKernels k = [] {
-    GemmKernels t{};
-    t.quantize = avx2::quantize;
-    t.gemm[FMT_Q4_0] = avx2::gemm<FMT_Q4_0>;
-    t.gemm[FMT_Q4_1] = avx2::gemm<FMT_Q4_1>;
-    t.gemm[FMT_Q8_0] = avx2::gemm<FMT_Q8_0>;
-    return t;
-  }();
+  static const GemmKernels k = make_gemm_kernels(avx2::quantize, avx2::kGemms, avx2::kNumGemms);
   return k;
 }
 

@@ -30,26 +30,13 @@ namespace specserve::avx512_vnni {
 namespace specserve {
 
 const GemmKernels& gemm_kernels_avx512() {
-  static const GemmKernels k = [] {
-    GemmKernels t{};
-    t.quantize = avx512::quantize;
-    t.gemm[FMT_Q4_0] = avx512::gemm<FMT_Q4_0>;
-    t.gemm[FMT_Q4_1] = avx512::gemm<FMT_Q4_1>;
-    t.gemm[FMT_Q8_0] = avx512::gemm<FMT_Q8_0>;
-    return t;
-  }();
+  static const GemmKernels k = make_gemm_kernels(avx512::quantize, avx512::kGemms, avx512::kNumGemms);
   return k;
 }
 
 const GemmKernels& gemm_kernels_avx512_vnni() {
-  static const GemmKernels k = [] {
-    GemmKernels t{};
-    t.quantize = avx512_vnni::quantize;
-    t.gemm[FMT_Q4_0] = avx512_vnni::gemm<FMT_Q4_0>;
-    t.gemm[FMT_Q4_1] = avx512_vnni::gemm<FMT_Q4_1>;
-    t.gemm[FMT_Q8_0] = avx512_vnni::gemm<FMT_Q8_0>;
-    return t;
-  }();
+  static const GemmKernels k =
+      make_gemm_kernels(avx512_vnni::quantize, avx512_vnni::kGemms, avx512_vnni::kNumGemms);
   return k;
 }
 

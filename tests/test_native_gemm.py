@@ -1,0 +1,244 @@
+"""specserve's native quantized products (specserve/native/csrc/qgemm*) on GGUF Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K and Q6_K weights.
+
+Exact tests: units dequantize to the gguf package's own floats bit for bit; `qgemm` equals, bit
+for bit, `reference_qgemm` below (qgemm.h's defined arithmetic in torch), at every CPU level this
+machine has and whatever rows share the call; load-time quantization equals the gguf package's.
+One tolerance test, kept apart: `qgemm` against float64 products of the dequantized weight, within
+the error that int8 activation quantization explains.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from specserve import native
+from specserve.hardware import Isa, machine
+
+ext = native.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+LEVELS = list(range(min(machine().isa, Isa.AVX512_VNNI) + 1))  # generic .. the highest level qgemm has here
+# Byte offsets in a raw GGUF block of the fp16 scale d and of the fp16 min (Q4_1) or dmin (K-quants).
+SCALE_AT = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q8_0": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+ROWS, COLS = 40, 512  # 40 rows: the last unit row is padded
+
+
+def fp16_bytes(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float16).reshape(-1, 1).view(np.uint8)
+
+
+def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw GGUF rows uint8 [rows, row_bytes]. The gguf package quantizes the 32-element formats
+    (from normal weights); K-quant blocks are random bytes with sane fp16 scales of either sign,
+    and the last rows take the largest block sums the formats allow (every weight at its extreme)."""
+    rng = np.random.default_rng(seed)
+    t = Q[fmt]
+    if fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    block, size = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if fmt == "Q6_K":  # q = 0 (weight -32) everywhere, scales -128: |I| = 4096 * 127 * 32, just under 2^24
+        raw[-1, :, :192], raw[-1, :, 192:208] = 0, 0x80
+    else:  # q = 15 (31), scale and min 63
+        raw[-1, :, 4:] = 0xFF
+    for at in (a for a in SCALE_AT[fmt] if a is not None):
+        d = rng.uniform(1e-3, 1e-1, raw.shape[:2]) * rng.choice([-1.0, 1.0], raw.shape[:2])
+        raw[:, :, at:at + 2] = fp16_bytes(d).reshape(raw.shape[0], raw.shape[1], 2)
+    return raw.reshape(rows, -1)
+
+
+def packed(fmt: str, rows: int = ROWS, cols: int = COLS, seed: int = 0):
+    raw = random_raw(fmt, rows, cols, seed)
+    return raw, ext.repack(int(Q[fmt]), torch.from_numpy(raw), cols)
+
+
+# ---- the reference: qgemm.h's arithmetic in torch ------------------------------------------------
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """float32 fma(a, b, c) exactly: a * b is exact in float64 (24 + 24 bits); the sum is rounded to
+    odd in float64 (TwoSum gives its error; an inexact even result steps one ulp toward the exact
+    sum), and rounding a round-to-odd value of >= 24 + 2 bits to float32 is the one correct
+    rounding of a * b + c (Boldo and Melquiond), where plain float64 rounding could round twice."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    bv = s - p
+    err = (p - (s - bv)) + (c - bv)
+    step = (err != 0) & ((s.view(torch.int64) & 1) == 0)
+    toward = torch.where(err > 0, torch.tensor(float("inf"), dtype=torch.float64), torch.tensor(float("-inf"), dtype=torch.float64))
+    return torch.where(step, torch.nextafter(s, toward), s).float()
+
+
+def quantize_act(x: torch.Tensor):
+    """ActBlock per 32 elements: q [n, nb, 32] (float64, integers), d [n, nb], sd [n, nb]."""
+    xb = x.view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127)  # torch.round: half to even, as nearbyint
+    d = amax / 127.0
+    return q.double(), d, d * q.sum(-1)
+
+
+def weight_terms(fmt: str, raw: np.ndarray):
+    """Integer weights w [rows, nb, 32] (float64), dw and mw [rows, nb] (float32; mw None without a
+    min), read through the gguf package: dequantizing with d = 1 and no min gives w exactly."""
+    t = Q[fmt]
+    block, size = GGML_QUANT_SIZES[t]
+    rows, cols = raw.shape[0], raw.shape[1] // size * block
+    blocks = raw.reshape(rows, -1, size)
+    d_at, m_at = SCALE_AT[fmt]
+    field = lambda at: torch.from_numpy(blocks[:, :, at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0])
+    per_32 = lambda v: v.repeat_interleave(block // 32, dim=1)  # a super-block's d serves its 8 blocks
+
+    def deq(d, m=None):
+        b = blocks.copy()
+        b[:, :, d_at:d_at + 2] = fp16_bytes(np.full(b.shape[:2], d)).reshape(rows, -1, 2)
+        if m is not None:
+            b[:, :, m_at:m_at + 2] = fp16_bytes(np.full(b.shape[:2], m)).reshape(rows, -1, 2)
+        return torch.from_numpy(dequantize(b.reshape(rows, -1), t).reshape(rows, -1, 32).copy())
+
+    w = deq(1.0, 0.0 if m_at is not None else None).double()
+    mw = None
+    if fmt == "Q4_1":
+        mw = field(m_at)
+    elif m_at is not None:  # K-quants: mw = -(dmin * m), m read as -(0 * q - 1 * m)
+        m = 0.0 - deq(0.0, 1.0)[..., 0]
+        mw = -(per_32(field(m_at)) * m)
+    return w, per_32(field(d_at)), mw
+
+
+def reference_qgemm(fmt, raw, x, bias=None, residual=None) -> torch.Tensor:
+    w, dw, mw = weight_terms(fmt, raw)
+    q, da, sd = quantize_act(x)
+    block_sums = torch.einsum("tbi,rbi->trb", q, w)  # exact: integers far below 2^53
+    acc = torch.zeros(x.shape[0], raw.shape[0])
+    for b in range(w.shape[1]):
+        acc = fma32(block_sums[:, :, b].float(), dw[None, :, b] * da[:, b, None], acc)
+        if mw is not None:
+            acc = fma32(mw[None, :, b].expand_as(acc), sd[:, b, None].expand_as(acc), acc)
+    if bias is not None:
+        acc = acc + bias
+    if residual is not None:
+        acc = acc + residual
+    return acc
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+# ---- units ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_units_dequantize_to_gguf_bitwise(fmt):
+    raw, units = packed(fmt)
+    want = torch.from_numpy(dequantize(raw, Q[fmt]).reshape(ROWS, COLS).copy())
+    assert torch.equal(bits(ext.dequantize_units(int(Q[fmt]), units, ROWS, COLS)), bits(want))
+    ids = torch.tensor([39, 0, 17, 17, 5])
+    assert torch.equal(bits(ext.dequantize_rows(int(Q[fmt]), units, COLS, ids)), bits(want[ids]))
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_quantize_weight_equals_gguf_package(fmt):
+    """ggml's reference rounding, as the gguf package has it, bit for bit: on normal weights of
+    magnitudes from 1e-9 (subnormal fp16 scales) to 1e7 (scales past fp16's range, to inf), on zero
+    and constant rows, and on blocks whose minimum (Q4_1's fp16 m) is a tie of the fp16 rounding."""
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    w *= np.logspace(-9, 7, 64, dtype=np.float32)[:, None]
+    w[0], w[1] = 0.0, 0.25
+    ties = np.float32([1 + 2**-11, 1 + 3 * 2**-11, -(1 + 2**-11), 2**-25, 3 * 2**-25, 2**-14 - 2**-25, 65519, 65520])
+    w[2:10] = ties[:, None] + np.abs(w[2:10])
+    w[2:10, ::32] = ties[:, None]
+    with np.errstate(over="ignore"):
+        want = quantize(w, Q[fmt])
+    got = ext.quantize_weight(int(Q[fmt]), torch.from_numpy(w))
+    assert np.array_equal(got.numpy(), want)
+
+
+# ---- products ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qgemm_equals_reference_arithmetic_bitwise(fmt):
+    raw, units = packed(fmt)
+    torch.manual_seed(0)
+    x = torch.randn(9, COLS)
+    x[1] = 0.0
+    x[2] = 3.0  # every activation at 127: with the extreme last rows, the largest block sums
+    bias, residual = torch.randn(ROWS), torch.randn(9, ROWS)
+    want = reference_qgemm(fmt, raw, x)
+    want_br = reference_qgemm(fmt, raw, x, bias, residual)
+    for level in LEVELS:
+        got = ext.qgemm(level, int(Q[fmt]), units, ROWS, x)
+        assert torch.equal(bits(got), bits(want)), f"level {level}"
+        got = ext.qgemm(level, int(Q[fmt]), units, ROWS, x, bias, residual)
+        assert torch.equal(bits(got), bits(want_br)), f"level {level} with bias and residual"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_levels_bit_identical_and_batch_invariant(fmt):
+    """Each activation row alone gives, bit for bit, what it gives inside calls of 2..17 rows with
+    other partners (each level tiles rows differently: 4, 12 or 32 at a time), at every level."""
+    _, units = packed(fmt, seed=2)
+    torch.manual_seed(1)
+    pool = torch.randn(24, COLS)
+    gen = torch.Generator().manual_seed(2)
+    alone = None
+    for level in LEVELS:
+        rows_alone = torch.cat([ext.qgemm(level, int(Q[fmt]), units, ROWS, pool[i:i + 1]) for i in range(len(pool))])
+        if alone is None:
+            alone = rows_alone
+        assert torch.equal(bits(rows_alone), bits(alone)), f"level {level} differs from level {LEVELS[0]}"
+        for size in range(2, 18):
+            idx = torch.randperm(len(pool), generator=gen)[:size]
+            got = ext.qgemm(level, int(Q[fmt]), units, ROWS, pool[idx])
+            assert torch.equal(bits(got), bits(alone[idx])), f"level {level}, {size} rows"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_qgemm_within_activation_quantization_error(fmt):
+    """Against float64 x @ W.T on the dequantized weight. Activations are rounded to int8 per
+    32-element block, each off by at most half a step (amax / 127 / 2), so an output is off by at
+    most sum over blocks of amax / 254 * sum |w|; the float32 accumulation adds a few ulps of
+    sum |w x| (1e-5 of it allowed) and leaves the bound otherwise tight."""
+    raw, units = packed(fmt, seed=3)
+    w = torch.from_numpy(dequantize(raw, Q[fmt]).reshape(ROWS, COLS).copy()).double()
+    torch.manual_seed(3)
+    x = torch.randn(5, COLS) * torch.logspace(-3, 3, 5)[:, None]
+    want = x.double() @ w.T
+    amax = x.double().view(5, -1, 32).abs().amax(-1)
+    bound = amax @ w.abs().view(ROWS, -1, 32).sum(-1).T / 254 + 1e-5 * (x.double().abs() @ w.abs().T)
+    got = ext.qgemm(LEVELS[-1], int(Q[fmt]), units, ROWS, x).double()
+    assert ((got - want).abs() <= bound).all()
+    assert ((got - want).abs() > bound / 50).any()  # the bound is the activation error's, not slack
+
+
+def test_bad_inputs_are_refused_with_clear_messages():
+    raw, units = packed("Q4_K")
+    q4k = int(Q.Q4_K)
+    with pytest.raises(RuntimeError, match=r"Q4_K columns \(288\) must be a multiple of 256"):
+        ext.repack(q4k, torch.zeros(16, 162, dtype=torch.uint8), 288)
+    with pytest.raises(RuntimeError, match="raw rows hold 100 bytes, expected 288"):
+        ext.repack(q4k, torch.zeros(16, 100, dtype=torch.uint8), COLS)
+    with pytest.raises(RuntimeError, match=r"weight format 6 has no kernel; supported GGML types: Q4_0 \(2\)"):
+        ext.repack(int(Q.Q5_0), torch.zeros(16, 22, dtype=torch.uint8), 32)
+    with pytest.raises(RuntimeError, match="units were packed for another format than Q6_K"):
+        ext.qgemm(0, int(Q.Q6_K), units, ROWS, torch.randn(1, COLS))
+    with pytest.raises(RuntimeError, match="units hold a weight of 512 columns, not 256"):
+        ext.qgemm(0, q4k, units, ROWS, torch.randn(1, 256))
+    with pytest.raises(RuntimeError, match="units hold at most 48 rows, asked for 49"):
+        ext.dequantize_units(q4k, units, 49, COLS)
+    with pytest.raises(RuntimeError, match=r"row id 48 is outside the packed rows \[0, 48\)"):
+        ext.dequantize_rows(q4k, units, COLS, torch.tensor([3, 48]))
+    with pytest.raises(RuntimeError, match="quantize_weight makes Q8_0 or Q4_1 blocks, not Q4_K"):
+        ext.quantize_weight(q4k, torch.randn(4, 256))
+    with pytest.raises(RuntimeError, match=r"weight columns \(40\) must be a multiple of 32"):
+        ext.quantize_weight(int(Q.Q8_0), torch.randn(4, 40))
+    with pytest.raises(RuntimeError, match=r"bias must be float32 \[rows\]"):
+        ext.qgemm(0, q4k, units, ROWS, torch.randn(1, COLS), torch.randn(ROWS + 1))
