@@ -88,7 +88,7 @@ def weight_terms(fmt: str, raw: np.ndarray):
     min), read through the gguf package: dequantizing with d = 1 and no min gives w exactly."""
     t = Q[fmt]
     block, size = GGML_QUANT_SIZES[t]
-    rows, cols = raw.shape[0], raw.shape[1] // size * block
+    rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, size)
     d_at, m_at = SCALE_AT[fmt]
     field = lambda at: torch.from_numpy(blocks[:, :, at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0])

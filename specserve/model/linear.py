@@ -85,7 +85,7 @@ class NativeLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, ext, level: int):
         super().__init__()
-        from gguf import GGMLQuantizationType, quantize
+        from gguf import GGMLQuantizationType
 
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.ext, self.level = ext, level
@@ -94,8 +94,7 @@ class NativeLinear(nn.Module):
         weight = torch.zeros(rows, self.in_features)
         weight[: self.out_features] = linear.weight.detach().float()
         self.rows = rows
-        self.units = ext.repack(self.format, torch.from_numpy(quantize(weight.numpy(), GGMLQuantizationType.Q8_0)),
-                                self.in_features)
+        self.units = ext.repack(self.format, ext.quantize_weight(self.format, weight), self.in_features)
         self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
 
     def _apply_kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:

@@ -62,16 +62,47 @@ def kernel_formats(ext: ModuleType) -> set[GGMLQuantizationType]:
     return {t for t in GGMLQuantizationType if ext.unit_bytes(int(t)) > 0}
 
 
-def as_blocks(w: Weight, fmt: GGMLQuantizationType, kernels: set[GGMLQuantizationType], requantize: bool) -> Blocks:
-    """`w` in a format the kernels take: its own blocks when they have a kernel and `requantize`
-    is off, else quantized to `fmt` from float32."""
-    if isinstance(w, Blocks) and w.format in kernels and not requantize:
+def as_blocks(w: Weight, fmt: GGMLQuantizationType, kernels: set[GGMLQuantizationType], requantize: bool,
+              ext: ModuleType) -> Blocks:
+    """`w` in a format the kernels take: its own blocks when they have a kernel (and fit its
+    super-blocks) and `requantize` is off, else quantized to `fmt` from float32."""
+    if isinstance(w, Blocks) and w.format in kernels and not requantize and w.cols % _block_elements(ext, w.format) == 0:
         return w
-    dense = w.dequantized() if isinstance(w, Blocks) else w.float()
+    dense = (w.dequantized() if isinstance(w, Blocks) else w).float().contiguous()
     rows, cols = dense.shape
     if cols % 32:
         raise ModelLoadError(f"a weight of {cols} columns cannot be quantized in 32-element blocks")
-    return Blocks(fmt, quantize(dense.numpy(), fmt), rows, cols)
+    if fmt in _NATIVE_QUANTIZERS:
+        raw = ext.quantize_weight(int(fmt), dense).numpy()
+    else:
+        raw = quantize(dense.numpy(), fmt)
+    return Blocks(fmt, raw, rows, cols)
+
+
+# Formats whose load-time quantizer is native (bit-identical to the gguf package's, faster).
+_NATIVE_QUANTIZERS = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1)
+
+
+def _block_elements(ext: ModuleType, fmt: GGMLQuantizationType) -> int:
+    return int(ext.gguf_block_elements(int(fmt)))
+
+
+class NativeEmbedding(nn.Module):
+    """Token embeddings looked up row by row from packed units (no float copy of the table);
+    `weight` [V, H] float32, for drafters that fingerprint or read it, is dequantized when asked."""
+
+    def __init__(self, ext: ModuleType, fmt: GGMLQuantizationType, units: torch.Tensor, vocab: int, hidden: int):
+        super().__init__()
+        self.ext, self.format, self.units, self.vocab, self.hidden = ext, int(fmt), units, vocab, hidden
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] int64 -> float32 [..., hidden], bitwise the gguf package's dequantization."""
+        rows = self.ext.dequantize_rows(self.format, self.units, self.hidden, ids.reshape(-1).long().contiguous())
+        return rows.reshape(*ids.shape, self.hidden)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.ext.dequantize_units(self.format, self.units, self.units.shape[0] * 16, self.hidden)[: self.vocab]
 
 
 class _VocabProjection(nn.Module):
@@ -148,7 +179,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
         return (w.dequantized() if isinstance(w, Blocks) else w).float().reshape(-1).contiguous()
 
     def matrix(name: str, heads: int | None = None) -> Blocks:
-        w = as_blocks(take(name), fmt, kernels, requantize)
+        w = as_blocks(take(name), fmt, kernels, requantize, ext)
         if heads is not None and permute_qk:
             w = w.take_rows(_unpermuted_rows(w.rows, heads))
         if w.rows % _UNIT_ROWS:
@@ -156,10 +187,12 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
         return w
 
     packed_bytes = []
+    formats: set[str] = set()
 
     def qmatrix(b: Blocks, bias: torch.Tensor | None = None):
         units = ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols)
         packed_bytes.append(units.numel())
+        formats.add(b.format.name)
         return ext.QMatrix(int(b.format), units, b.rows, b.cols, bias)
 
     def stacked(parts: list[Blocks], biases: list[torch.Tensor] | None = None):
@@ -186,13 +219,21 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
 
     embed = take("model.embed_tokens.weight")
     head_source = embed if cfg.tie_word_embeddings else take("lm_head.weight")
-    head = as_blocks(head_source, fmt, kernels, requantize)
+    head = as_blocks(head_source, fmt, kernels, requantize, ext)
     padded = -(-head.rows // _UNIT_ROWS) * _UNIT_ROWS
     if padded != head.rows:
         pad = np.zeros((padded - head.rows, head.raw.shape[1]), dtype=np.uint8)
         head = Blocks(head.format, np.concatenate([head.raw, pad]), padded, head.cols)
     lm_head = qmatrix(head)
-    embed_weight = embed.dequantized() if isinstance(embed, Blocks) else embed.float()
+    # Embeddings are looked up from the file's own blocks (exact, whatever the products were
+    # quantized to: drafters fingerprint them), sharing the output projection's units when it
+    # is the same tensor unchanged.
+    if isinstance(embed, Blocks) and embed.format in kernels and embed.cols % _block_elements(ext, embed.format) == 0:
+        units = lm_head.units if head is embed else ext.repack(int(embed.format), torch.from_numpy(embed.raw), embed.cols)
+        embed_tokens = NativeEmbedding(ext, embed.format, units, cfg.vocab_size, cfg.hidden_size)
+    else:
+        embed_tokens = nn.Embedding.from_pretrained(embed.dequantized() if isinstance(embed, Blocks) else embed.float(),
+                                                    freeze=True)
     final_norm = vector("model.norm.weight")
     unused = sorted(n for n in set(weights) - used - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
     if unused:
@@ -203,20 +244,9 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     core = ext.NativeModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                            cfg.rms_norm_eps, layers, final_norm, lm_head,
                            rotary.cos[:, :half].contiguous(), rotary.sin[:, half:].contiguous())
-    formats = sorted({GGMLQuantizationType(m).name for m in _formats_of(weights, used, kernels, requantize, fmt)})
-    return NativeLlamaModel(cfg, core, nn.Embedding.from_pretrained(embed_weight, freeze=True),
-                            _VocabProjection(head, cfg.vocab_size), level, quantization, "/".join(formats),
+    return NativeLlamaModel(cfg, core, embed_tokens,
+                            _VocabProjection(head, cfg.vocab_size), level, quantization, "/".join(sorted(formats)),
                             sum(packed_bytes))
-
-
-def _formats_of(weights: dict[str, Weight], used: set[str], kernels, requantize: bool, fmt) -> set[int]:
-    out = set()
-    for name in used:
-        w = weights[name]
-        if name.endswith("norm.weight") or name.endswith(".bias"):
-            continue
-        out.add(int(w.format) if isinstance(w, Blocks) and w.format in kernels and not requantize else int(fmt))
-    return out
 
 
 def _unpermuted_rows(rows: int, heads: int) -> np.ndarray:

@@ -17,10 +17,6 @@
 
 namespace specserve {
 
-void quantize_rows(int level, const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act);
-void gemm_rows(int level, int format, const uint8_t* units, int64_t rows, int64_t nb, const ActBlock* act, int64_t n,
-               const float* bias, const float* residual, int64_t ldr, float* y, int64_t ldy);
-
 namespace {
 
 // A weight matrix [rows, cols] as packed units; rows padded to a multiple of 16 inside `units`.
