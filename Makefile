@@ -34,8 +34,18 @@ setup-test: $(VENV)/.setup-test
 run: setup
 	$(VENV)/bin/specserve generate --chat "$(PROMPT)" --max-tokens 256 --speculative ngram --num-speculative-tokens 4 --compare-plain
 
+# The suite in two workers on the machine's own CPU path, then the tests whose path depends on the
+# CPU (half precision, drafters, training, the native kernels and model) once more as on the
+# lowest: specserve's generic level for its own choices and kernels, torch capped at AVX2 (an
+# AVX2-only CPU, where oneDNN has no bfloat16 packing). Green here means green on either CPU.
+# (The native model's tests run every level in-process already: the levels compute equal bits.)
+ISA_TESTS := tests/test_hardware.py tests/test_dtypes.py tests/test_eagle.py tests/test_train.py \
+	tests/test_native_gemm.py tests/test_native_layer_ops.py
+LOWEST := SPECSERVE_CPU_ISA=generic ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --durations=15
+	$(LOWEST) $(PY) -m pytest -q -n 2 --durations=5 $(wildcard $(ISA_TESTS))
 
 clean:
 	rm -rf $(VENV)

@@ -1,10 +1,12 @@
 import importlib.metadata
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One torch thread per xdist worker (the suite runs as two workers on two cores), else at most 2.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, torch.get_num_threads())))
 
 
 def embedded_gguf_path() -> Path:

@@ -41,22 +41,14 @@ def test_quantized_gguf_takes_the_native_path_and_an_explicit_dtype_the_torch_on
         load_model(tiny["target"], quantization="int3")
 
 
-def _runner(loaded, level):
-    loaded.model.level = level
-    return ModelRunner.paged(loaded.model, 128, 16)
-
-
 def _logits(runner, tables, starts, tokens):
     return runner.execute(ForwardBatch(tables, starts, tokens, all_logits=True))
 
 
-@pytest.mark.parametrize("level", LEVELS, ids=[Isa(lvl).label for lvl in LEVELS])
-def test_a_rows_logits_never_depend_on_its_batch(smollm_native, level):
-    """Decode one token alone; then the same token among verification drafts, next to other
-    requests of other lengths: bit-identical logits every time."""
-    ids = smollm_native.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    other = smollm_native.tokenizer.encode("Speculative decoding drafts tokens and verifies them in one pass.")
-    runner = _runner(smollm_native, level)
+def _check_batch_invariance(loaded, ids, other):
+    """Decode one token alone; then the same token among verification drafts, next to another
+    request of another length: bit-identical logits every time."""
+    runner = ModelRunner.paged(loaded.model, 128, 16)
     ctx = len(ids) - 17
     a_blocks, b_blocks = [list(range(0, 8)), list(range(20, 28))]
     _logits(runner, [a_blocks], [0], [ids[:ctx]])
@@ -68,12 +60,32 @@ def test_a_rows_logits_never_depend_on_its_batch(smollm_native, level):
         batched = _logits(runner, [b_blocks, a_blocks], [len(other), ctx], [[other[-1]] * 3, ids[ctx:ctx + width]])
         assert torch.equal(batched[1, 0], alone), width
         assert torch.equal(batched[1, :width], verify), width
-    smollm_native.model.level = LEVELS[-1]
+
+
+@pytest.fixture(scope="module")
+def tiny_native(tmp_path_factory):
+    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("tn") / "m", vocab_size=64, hidden=64, layers=2)
+    return load_model(folder, quantization="int4")
+
+
+@pytest.mark.parametrize("level", LEVELS, ids=[Isa(lvl).label for lvl in LEVELS])
+def test_a_rows_logits_never_depend_on_its_batch_at_every_level(tiny_native, level):
+    tiny_native.model.level = level
+    _check_batch_invariance(tiny_native, ragged_prompts(1, seed=5, lo=60, hi=61)[0], [7, 8, 9, 10, 11])
+
+
+def test_a_rows_logits_never_depend_on_its_batch_on_smollm(smollm_native):
+    tok = smollm_native.tokenizer
+    _check_batch_invariance(smollm_native, tok.encode("The quick brown fox jumps over the lazy dog. " * 3),
+                            tok.encode("Speculative decoding drafts tokens and verifies them in one pass."))
 
 
 def test_every_level_computes_the_same_bits(smollm_native):
     ids = smollm_native.tokenizer.encode("Paris is the capital of France, and Rome")
-    out = [_logits(_runner(smollm_native, lvl), [list(range(4))], [0], [ids]) for lvl in LEVELS]
+    out = []
+    for lvl in LEVELS:
+        smollm_native.model.level = lvl
+        out.append(_logits(ModelRunner.paged(smollm_native.model, 8, 16), [list(range(4))], [0], [ids]))
     smollm_native.model.level = LEVELS[-1]
     for lvl, o in zip(LEVELS[1:], out[1:]):
         assert torch.equal(o, out[0]), Isa(lvl).label
