@@ -137,14 +137,14 @@ def small_tree() -> DraftTree:
 
 def mixed_call(block_size: int, head_dim: int, seed: int) -> tuple[torch.Tensor, Pool, list[Seq]]:
     """Ragged sequences in one call: decodes at contexts 1, 15, 16, 17 and 1000, a 5-token chain,
-    a token tree, on scattered blocks."""
+    a token tree and a 24-token prefill chunk, on scattered blocks."""
     heads, kv_heads = 9, 3
     per_seq = -(-1010 // block_size)
     pool = Pool.random(8 * per_seq, block_size, kv_heads, head_dim, seed)
-    blocks = [scattered_blocks(per_seq, 8 * per_seq, seed + i) for i in range(7)]
+    blocks = [scattered_blocks(per_seq, 8 * per_seq, seed + i) for i in range(8)]
     seqs = [Seq.chain(blocks[0], 0, 1), Seq.chain(blocks[1], 14, 1), Seq.chain(blocks[2], 15, 1),
             Seq.chain(blocks[3], 16, 1), Seq.chain(blocks[4], 999, 1), Seq.chain(blocks[5], 40, 5),
-            Seq.tree(blocks[6], 33, small_tree())]
+            Seq.tree(blocks[6], 33, small_tree()), Seq.chain(blocks[7], 0, 24)]
     q = torch.randn(sum(len(s.prefix) for s in seqs), heads, head_dim, generator=torch.Generator().manual_seed(seed))
     return q, pool, seqs
 
@@ -283,6 +283,8 @@ def test_bad_inputs_are_refused_with_a_reason():
     q = torch.randn(2, 9, 64)
     call = dict(q_start=torch.tensor([0, 2]), block_table=torch.tensor([[0, 1]]), prefix_len=torch.tensor([5, 6]))
     assert attend(0, q, pool, [Seq([0, 1], [5, 6])]).shape == (2, 9 * 64)
+    for level in LEVELS:  # a query that sees no slot
+        assert not attend(level, q[:1], pool, [Seq([0], [0])]).any()
     with pytest.raises(RuntimeError, match="lies outside"):
         ext.paged_attention(0, q, pool.k, pool.v, **(call | dict(prefix_len=torch.tensor([5, 33]))))
     with pytest.raises(RuntimeError, match="is not a block of the pool"):

@@ -180,18 +180,16 @@ void paged_attention(int level, const float* q, int64_t ldq, const float* k_pool
                      const AttentionBatch& batch, float* out, int64_t ldo) {
   const AttendFn fn = kernels(level).attend;
   const int64_t group = heads / kv_heads;
-  // Per sequence: the slots any of its queries sees, and those all of them see.
-  std::vector<int64_t> num_keys(batch.num_seqs), common(batch.num_seqs);
+  // Per sequence: the slots any of its queries sees.
+  std::vector<int64_t> num_keys(batch.num_seqs);
   int64_t work = 0;  // (row, key) pairs of the whole call
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
-    int64_t hi = 0, lo = std::numeric_limits<int64_t>::max();
+    int64_t hi = 0;
     for (int64_t i = batch.q_start[s]; i < batch.q_start[s + 1]; ++i) {
       hi = std::max(hi, batch.prefix_len[i]);
       if (batch.tree_row && batch.tree_row[i] >= 0) hi = std::max(hi, batch.tree_start[s] + batch.tree_size[s]);
-      lo = std::min(lo, batch.prefix_len[i]);
     }
     num_keys[s] = hi;
-    common[s] = std::min(lo, hi);
     work += (batch.q_start[s + 1] - batch.q_start[s]) * heads * hi;
   }
   // One task per (sequence, kv head); below ~a few thousand pairs the call takes microseconds
@@ -226,7 +224,6 @@ void paged_attention(int level, const float* q, int64_t ldq, const float* k_pool
       t.block_size = block_size;
       t.slot_stride = kv_heads * head_dim;
       t.num_keys = num_keys[s];
-      t.common = common[s];
       scratch.resize(static_cast<size_t>(attention_scratch_floats(t)));
       fn(t, scratch.data());
     }

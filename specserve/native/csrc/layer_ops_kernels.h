@@ -64,8 +64,7 @@ inline float exp_ps(float x) {
 //
 // Its rows are r = t * group + g for the sequence's query tokens t < num_q and the query heads
 // g < group that share kv head `kvh`; all of them are computed together so that each K and V
-// row is read once. Keys are the sequence's slots [0, num_keys); slots [0, common) are visible
-// to every row (the shared context), later ones per row (`sees`).
+// row is read once. Keys are the sequence's slots [0, num_keys).
 struct AttentionTask {
   const float* q;  // row r at q + t * ldq + g * head_dim (the first head of this kv head's group)
   int64_t ldq;
@@ -82,12 +81,25 @@ struct AttentionTask {
   const int64_t* blocks;  // the sequence's block table row
   int64_t block_size;
   int64_t slot_stride;  // floats from one slot to the next (kv_heads * head_dim)
-  int64_t num_keys, common;
+  int64_t num_keys;
 
   int64_t rows() const { return num_q * group; }
   int64_t keys_padded() const { return (num_keys + 15) / 16 * 16; }
   const float* q_row(int64_t r) const { return q + (r / group) * ldq + (r % group) * head_dim; }
   float* out_row(int64_t r) const { return out + (r / group) * ldo + (r % group) * head_dim; }
+
+  // The slots [0, shared_keys(r0, r1)) are seen by every row r0 <= r < r1 (their prefixes).
+  int64_t shared_keys(int64_t r0, int64_t r1) const {
+    int64_t n = num_keys;
+    for (int64_t r = r0; r < r1; ++r) n = prefix_len[r / group] < n ? prefix_len[r / group] : n;
+    return n;
+  }
+
+  // Past the shared keys, row r sees slots below this (and not all of them when it is a tree's).
+  int64_t reach(int64_t r) const {
+    const int64_t t = r / group;
+    return tree_row != nullptr && tree_row[t] >= 0 ? num_keys : (prefix_len[t] < num_keys ? prefix_len[t] : num_keys);
+  }
 
   // Whether query token t sees slot p (layer_ops.h's AttentionBatch).
   bool sees(int64_t t, int64_t p) const {
