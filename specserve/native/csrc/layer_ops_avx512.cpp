@@ -60,11 +60,9 @@ inline void scores16(const float* q, const float* const* kp, int64_t d, float sc
   V acc[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < d; c += 16) {
-    const V qc = vload(q + c);
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) acc[j] = vfma(qc, vload(k[j] + c), acc[j]);
-  }
+  for (int j = 0; j < 16; ++j)  // key by key: one key pointer live at a time, q in registers
+    for (int64_t c = 0; c < d; c += 16) acc[j] = vfma(vload(q + c), vload(k[j] + c), acc[j]);
   V a8[8], a4[4], a2[2];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i)  // lanes 0-7 + 8-15 of keys 2i, 2i + 1
