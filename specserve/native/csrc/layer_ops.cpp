@@ -56,14 +56,7 @@ void rope_generic(float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_d
   for (int64_t t = 0; t < n; ++t) {
     const float* c = cos + pos[t] * half;
     const float* s = sin + pos[t] * half;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* xh = x + t * ld + h * head_dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = xh[i], x2 = xh[i + half];
-        xh[i] = x1 * c[i] - x2 * s[i];
-        xh[i + half] = x2 * c[i] + x1 * s[i];
-      }
-    }
+    for (int64_t h = 0; h < heads; ++h) rope_pairs(x + t * ld + h * head_dim, c, s, 0, half);
   }
 }
 

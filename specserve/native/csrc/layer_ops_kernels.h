@@ -60,6 +60,15 @@ inline float exp_ps(float x) {
   return (p * float_from_bits((n1 + 127) << 23)) * float_from_bits((n2 + 127) << 23);
 }
 
+// RoPE (layer_ops.h) of one head's pairs i in [from, half): x1 c - x2 s, x2 c + x1 s.
+inline void rope_pairs(float* xh, const float* c, const float* s, int64_t from, int64_t half) {
+  for (int64_t i = from; i < half; ++i) {
+    const float x1 = xh[i], x2 = xh[i + half];
+    xh[i] = x1 * c[i] - x2 * s[i];
+    xh[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
 // ---- attention: one (sequence, kv head) pair ------------------------------------------------
 //
 // Its rows are r = t * group + g for the sequence's query tokens t < num_q and the query heads
