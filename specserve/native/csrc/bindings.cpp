@@ -5,6 +5,7 @@
 
 namespace specserve {
 void register_gemm(pybind11::module_& m);
+void register_layer_ops(pybind11::module_& m);
 void register_model(pybind11::module_& m);
 }
 
@@ -24,5 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "specserve native CPU kernels";
   m.def("compiled_levels", &compiled_levels, "CPU levels this build has kernels for");
   specserve::register_gemm(m);
+  specserve::register_layer_ops(m);
   specserve::register_model(m);
 }

@@ -60,6 +60,8 @@ struct AttentionBatch {
 //     score[p] = dot16(q[i, h, :], k[p, h / (heads / kv_heads), :]) * scale
 //   m = max score;  w[p] = exp_ps(score[p] - m);  l = sum of w[p] in slot order (sequential);
 //   o[d] = fma(w[p], v[p, kvh, d], o[d]) in slot order;  out = o[d] / l
+// (a query that sees no slot gets zeros). dot16 starts from zero lanes; exp_ps is
+// layer_ops_kernels.h's.
 // q: [num_tokens, heads, head_dim] with row stride ldq; k_pool, v_pool: [blocks, block_size,
 // kv_heads, head_dim]; out row stride ldo. head_dim a multiple of 16.
 void paged_attention(int level, const float* q, int64_t ldq, const float* k_pool, const float* v_pool,

@@ -1,0 +1,226 @@
+// Layer kernels: the generic (any CPU) implementations, written as layer_ops.h defines them,
+// and the level dispatch. The SIMD levels live in layer_ops_avx*.cpp, the Python entry points
+// in layer_ops_py.cpp.
+#include "layer_ops.h"
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "layer_ops_kernels.h"
+
+namespace specserve {
+
+namespace {
+
+// layer_ops.h's lane reduction of s[16]: s[l] += s[l + w] for w = 8, 4, 2, 1.
+float reduce16(float* s) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) s[l] += s[l + w];
+  return s[0];
+}
+
+float sum16_squares(const float* x, int64_t d) {
+  float s[16];
+  for (int l = 0; l < 16; ++l) s[l] = x[l] * x[l];
+  for (int64_t c = 16; c < d; c += 16)
+    for (int l = 0; l < 16; ++l) s[l] = s[l] + x[c + l] * x[c + l];
+  return reduce16(s);
+}
+
+float dot16(const float* a, const float* b, int64_t d) {
+  float s[16] = {};
+  for (int64_t c = 0; c < d; c += 16)
+    for (int l = 0; l < 16; ++l) s[l] = std::fma(a[c + l], b[c + l], s[l]);
+  return reduce16(s);
+}
+
+void rmsnorm_generic(const float* x, int64_t ldx, int64_t n, int64_t d, const float* w, float eps, float* y,
+                     int64_t ldy) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* xt = x + t * ldx;
+    const float r = 1.0f / std::sqrt(sum16_squares(xt, d) / static_cast<float>(d) + eps);
+    float* yt = y + t * ldy;
+    for (int64_t i = 0; i < d; ++i) yt[i] = (xt[i] * r) * w[i];
+  }
+}
+
+void rope_generic(float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_dim, const int64_t* pos,
+                  const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* c = cos + pos[t] * half;
+    const float* s = sin + pos[t] * half;
+    for (int64_t h = 0; h < heads; ++h) rope_pairs(x + t * ld + h * head_dim, c, s, 0, half);
+  }
+}
+
+void silu_mul_generic(const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* g = gu + t * ldgu;
+    const float* u = g + inter;
+    for (int64_t i = 0; i < inter; ++i) y[t * ldy + i] = (g[i] / (1.0f + exp_ps(-g[i]))) * u[i];
+  }
+}
+
+void exp_generic(const float* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_ps(x[i]);
+}
+
+// The three passes of layer_ops.h's attention, key-major like the SIMD levels (the order of
+// the loops changes no row's arithmetic: each row's sums run over its own keys in slot order).
+void attend_generic(const AttentionTask& t, float* scratch) {
+  const int64_t rows = t.rows(), kp = t.keys_padded(), d = t.head_dim;
+  float* scores = scratch;        // [rows][kp]
+  float* o = scores + rows * kp;  // [rows][d]
+  float* l = o + rows * d;        // [rows]
+  SlotCursor keys(t, 0);
+  for (int64_t p = 0; p < t.num_keys; ++p) {
+    const float* k = t.k + keys.next();
+    for (int64_t r = 0; r < rows; ++r) scores[r * kp + p] = dot16(t.q_row(r), k, d) * t.scale;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = scores + r * kp;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < t.num_keys; ++p)
+      if (t.sees(r / t.group, p) && s[p] > m) m = s[p];
+    for (int64_t p = 0; p < t.num_keys; ++p) s[p] = exp_ps(s[p] - m);
+  }
+  std::fill(o, o + rows * d + rows, 0.0f);
+  SlotCursor values(t, 0);
+  for (int64_t p = 0; p < t.num_keys; ++p) {
+    const float* v = t.v + values.next();
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!t.sees(r / t.group, p)) continue;
+      const float w = scores[r * kp + p];
+      for (int64_t i = 0; i < d; ++i) o[r * d + i] = std::fma(w, v[i], o[r * d + i]);
+      l[r] += w;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = t.out_row(r);
+    for (int64_t i = 0; i < d; ++i) out[i] = l[r] != 0.0f ? o[r * d + i] / l[r] : 0.0f;
+  }
+}
+
+// The table of a level: each entry the level's own, or the next lower level's.
+LayerKernels kernels_for(int level) {
+  const LayerKernels* chain[3] = {&layer_kernels_generic(), nullptr, nullptr};
+#if defined(__x86_64__) || defined(_M_X64)
+  if (level >= LEVEL_AVX2) chain[1] = &layer_kernels_avx2();
+  if (level >= LEVEL_AVX512) chain[2] = &layer_kernels_avx512();
+#endif
+  LayerKernels out{};
+  for (const LayerKernels* k : chain) {
+    if (!k) continue;
+    if (k->rmsnorm) out.rmsnorm = k->rmsnorm;
+    if (k->rope) out.rope = k->rope;
+    if (k->silu_mul) out.silu_mul = k->silu_mul;
+    if (k->exp) out.exp = k->exp;
+    if (k->attend) out.attend = k->attend;
+  }
+  return out;
+}
+
+const LayerKernels& kernels(int level) {
+  static const LayerKernels tables[6] = {kernels_for(0), kernels_for(1), kernels_for(2),
+                                         kernels_for(3), kernels_for(4), kernels_for(5)};
+  TORCH_CHECK(level >= 0 && level <= LEVEL_AMX, "CPU level ", level, " is not one of 0..5");
+  if (!kX86) level = LEVEL_GENERIC;
+  return tables[level];
+}
+
+// Rows [0, n) in parallel chunks, but on the calling thread for decode-sized batches, where
+// waking the pool costs more than the work.
+template <class F>
+void for_rows(int64_t n, const F& f) {
+  at::parallel_for(0, n, n >= 64 ? 16 : std::max<int64_t>(n, 1), f);
+}
+
+}  // namespace
+
+const LayerKernels& layer_kernels_generic() {
+  static const LayerKernels k{rmsnorm_generic, rope_generic, silu_mul_generic, exp_generic, attend_generic};
+  return k;
+}
+
+void rmsnorm(int level, const float* x, int64_t ldx, int64_t n, int64_t d, const float* w, float eps, float* y,
+             int64_t ldy) {
+  const RmsnormFn fn = kernels(level).rmsnorm;
+  for_rows(n, [&](int64_t t0, int64_t t1) { fn(x + t0 * ldx, ldx, t1 - t0, d, w, eps, y + t0 * ldy, ldy); });
+}
+
+void rope(int level, float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_dim, const int64_t* pos,
+          const float* cos, const float* sin) {
+  const RopeFn fn = kernels(level).rope;
+  for_rows(n, [&](int64_t t0, int64_t t1) { fn(x + t0 * ld, ld, t1 - t0, heads, head_dim, pos + t0, cos, sin); });
+}
+
+void silu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy) {
+  const SiluMulFn fn = kernels(level).silu_mul;
+  for_rows(n, [&](int64_t t0, int64_t t1) { fn(gu + t0 * ldgu, ldgu, t1 - t0, inter, y + t0 * ldy, ldy); });
+}
+
+void exp_rows(int level, const float* x, int64_t n, float* y) { kernels(level).exp(x, n, y); }
+
+void paged_attention(int level, const float* q, int64_t ldq, const float* k_pool, const float* v_pool,
+                     int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+                     const AttentionBatch& batch, float* out, int64_t ldo) {
+  const AttendFn fn = kernels(level).attend;
+  const int64_t group = heads / kv_heads;
+  // Per sequence: the slots any of its queries sees.
+  std::vector<int64_t> num_keys(batch.num_seqs);
+  int64_t work = 0;  // (row, key) pairs of the whole call
+  for (int64_t s = 0; s < batch.num_seqs; ++s) {
+    int64_t hi = 0;
+    for (int64_t i = batch.q_start[s]; i < batch.q_start[s + 1]; ++i) {
+      hi = std::max(hi, batch.prefix_len[i]);
+      if (batch.tree_row && batch.tree_row[i] >= 0) hi = std::max(hi, batch.tree_start[s] + batch.tree_size[s]);
+    }
+    num_keys[s] = hi;
+    work += (batch.q_start[s + 1] - batch.q_start[s]) * heads * hi;
+  }
+  // One task per (sequence, kv head); below ~a few thousand pairs the call takes microseconds
+  // and stays on this thread.
+  const int64_t tasks = batch.num_seqs * kv_heads;
+  const int64_t grain = work >= 4096 ? 1 : std::max<int64_t>(tasks, 1);
+  at::parallel_for(0, tasks, grain, [&](int64_t b, int64_t e) {
+    // Kept per thread across calls: fresh memory of this size would be page-faulted in anew.
+    thread_local std::vector<float> scratch;
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t s = task / kv_heads, kvh = task % kv_heads, i0 = batch.q_start[s];
+      AttentionTask t{};
+      t.num_q = batch.q_start[s + 1] - i0;
+      if (t.num_q == 0) continue;
+      t.q = q + i0 * ldq + kvh * group * head_dim;
+      t.ldq = ldq;
+      t.out = out + i0 * ldo + kvh * group * head_dim;
+      t.ldo = ldo;
+      t.group = group;
+      t.head_dim = head_dim;
+      t.scale = scale;
+      t.prefix_len = batch.prefix_len + i0;
+      if (batch.tree_row) {
+        t.tree_row = batch.tree_row + i0;
+        t.tree_mask = batch.tree_mask;
+        t.tree_start = batch.tree_start[s];
+        t.tree_size = batch.tree_size[s];
+      }
+      t.k = k_pool + kvh * head_dim;
+      t.v = v_pool + kvh * head_dim;
+      t.blocks = batch.block_table + s * batch.bt_stride;
+      t.block_size = block_size;
+      t.slot_stride = kv_heads * head_dim;
+      t.num_keys = num_keys[s];
+      scratch.resize(static_cast<size_t>(attention_scratch_floats(t)));
+      fn(t, scratch.data());
+    }
+  });
+}
+
+}  // namespace specserve

@@ -1,0 +1,177 @@
+// What the levels of the layer kernels share: exp_ps (the scalar definition every SIMD level
+// reproduces), one attention task as the levels see it, and the per-level kernel tables.
+//
+// Everything here is inline and defined before any `#pragma GCC target` region of the files
+// that include it, so each copy the compiler emits is generic code (see native/__init__.py);
+// SIMD functions may still inline it.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "layer_ops.h"
+
+namespace specserve {
+
+// ---- exp_ps: specserve's own expf ----------------------------------------------------------
+//
+//   x NaN: x.  x < kExpLo: 0 (the true value would be subnormal).  x > kExpHi: x = kExpHi
+//   (whose exp overflows to inf, as the true value does).  Otherwise:
+//   n = (x * log2e + R) - R  (x * log2e rounded to an integer, ties to even; R = 1.5 * 2^23)
+//   r = fma(n, -ln2_hi, x);  r = fma(n, -ln2_lo, r)          (ln2_hi has 9 bits: Cody-Waite)
+//   p = c0;  p = fma(p, r, c_i) for i = 1..7                  (Cephes' minimax, then 1, 1)
+//   exp = (p * 2^(n >> 1)) * 2^(n - (n >> 1))                 (both factors normal: n may be 128)
+// Max error about 1.5 ulp over [kExpLo, kExpHi] (the tests measure it).
+constexpr float kExpLo = -87.33654f;  // ~ln(FLT_MIN): from here on results are normal
+constexpr float kExpHi = 88.72284f;   // exp(kExpHi) rounds to inf
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kRoundInt = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+constexpr int kExpTerms = 8;
+constexpr float kExpPoly[kExpTerms] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                                       1.6666665459e-1f, 5.0000001201e-1f, 1.0f, 1.0f};
+
+inline float float_from_bits(int32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline int32_t bits_of(float f) {
+  int32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+inline float exp_ps(float x) {
+  if (x != x) return x;
+  if (x < kExpLo) return 0.0f;
+  if (x > kExpHi) x = kExpHi;
+  const float k = x * kLog2e + kRoundInt;
+  const float n = k - kRoundInt;
+  float r = std::fma(n, -kLn2Hi, x);
+  r = std::fma(n, -kLn2Lo, r);
+  float p = kExpPoly[0];
+  for (int i = 1; i < kExpTerms; ++i) p = std::fma(p, r, kExpPoly[i]);
+  const int32_t ni = bits_of(k) - bits_of(kRoundInt);
+  const int32_t n1 = ni >> 1, n2 = ni - n1;
+  return (p * float_from_bits((n1 + 127) << 23)) * float_from_bits((n2 + 127) << 23);
+}
+
+// RoPE (layer_ops.h) of one head's pairs i in [from, half): x1 c - x2 s, x2 c + x1 s.
+inline void rope_pairs(float* xh, const float* c, const float* s, int64_t from, int64_t half) {
+  for (int64_t i = from; i < half; ++i) {
+    const float x1 = xh[i], x2 = xh[i + half];
+    xh[i] = x1 * c[i] - x2 * s[i];
+    xh[i + half] = x2 * c[i] + x1 * s[i];
+  }
+}
+
+// ---- attention: one (sequence, kv head) pair ------------------------------------------------
+//
+// Its rows are r = t * group + g for the sequence's query tokens t < num_q and the query heads
+// g < group that share kv head `kvh`; all of them are computed together so that each K and V
+// row is read once. Keys are the sequence's slots [0, num_keys).
+struct AttentionTask {
+  const float* q;  // row r at q + t * ldq + g * head_dim (the first head of this kv head's group)
+  int64_t ldq;
+  float* out;  // row r at out + t * ldo + g * head_dim
+  int64_t ldo;
+  int64_t num_q, group, head_dim;
+  float scale;
+  const int64_t* prefix_len;  // [num_q], the sequence's own
+  const int64_t* tree_row;    // [num_q] or null
+  const uint8_t* tree_mask;
+  int64_t tree_start, tree_size;
+  const float* k;  // the pools, offset to this kv head
+  const float* v;
+  const int64_t* blocks;  // the sequence's block table row
+  int64_t block_size;
+  int64_t slot_stride;  // floats from one slot to the next (kv_heads * head_dim)
+  int64_t num_keys;
+
+  int64_t rows() const { return num_q * group; }
+  int64_t keys_padded() const { return (num_keys + 15) / 16 * 16; }
+  const float* q_row(int64_t r) const { return q + (r / group) * ldq + (r % group) * head_dim; }
+  float* out_row(int64_t r) const { return out + (r / group) * ldo + (r % group) * head_dim; }
+
+  // The slots [0, shared_keys(r0, r1)) are seen by every row r0 <= r < r1 (their prefixes).
+  int64_t shared_keys(int64_t r0, int64_t r1) const {
+    int64_t n = num_keys;
+    for (int64_t r = r0; r < r1; ++r) n = prefix_len[r / group] < n ? prefix_len[r / group] : n;
+    return n;
+  }
+
+  // Past the shared keys, row r sees slots below this (and not all of them when it is a tree's).
+  int64_t reach(int64_t r) const {
+    const int64_t t = r / group;
+    return tree_row != nullptr && tree_row[t] >= 0 ? num_keys : (prefix_len[t] < num_keys ? prefix_len[t] : num_keys);
+  }
+
+  // Whether query token t sees slot p (layer_ops.h's AttentionBatch).
+  bool sees(int64_t t, int64_t p) const {
+    if (p < prefix_len[t]) return true;
+    if (tree_row == nullptr || tree_row[t] < 0) return false;
+    const int64_t m = p - tree_start;
+    return m >= 0 && m < tree_size && tree_mask[tree_row[t] + m] != 0;
+  }
+};
+
+// Scratch a task needs: scores / weights [rows][keys_padded], o [rows][head_dim], l [rows].
+inline int64_t attention_scratch_floats(const AttentionTask& t) {
+  return t.rows() * (t.keys_padded() + t.head_dim + 1);
+}
+
+// Walks a sequence's slots 0, 1, 2, ... through its block table, giving each slot's offset in
+// the pool (in floats, from the task's k or v).
+struct SlotCursor {
+  const int64_t* blocks;
+  int64_t block_size, slot_stride, block = 0, offset = 0;
+
+  SlotCursor(const AttentionTask& t, int64_t first_slot)
+      : blocks(t.blocks), block_size(t.block_size), slot_stride(t.slot_stride),
+        block(first_slot / t.block_size), offset(first_slot % t.block_size) {}
+
+  int64_t next() {
+    const int64_t at = (blocks[block] * block_size + offset) * slot_stride;
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+    return at;
+  }
+};
+
+// ---- per-level tables -------------------------------------------------------------------------
+
+// Row kernels: layer_ops.h's functions on rows [0, n), without the level.
+using RmsnormFn = void (*)(const float* x, int64_t ldx, int64_t n, int64_t d, const float* w, float eps, float* y,
+                           int64_t ldy);
+using RopeFn = void (*)(float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_dim, const int64_t* pos,
+                        const float* cos, const float* sin);
+using SiluMulFn = void (*)(const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy);
+using ExpFn = void (*)(const float* x, int64_t n, float* y);  // y[i] = exp_ps(x[i])
+// One task; scratch holds attention_scratch_floats(task) floats.
+using AttendFn = void (*)(const AttentionTask& task, float* scratch);
+
+struct LayerKernels {
+  RmsnormFn rmsnorm;
+  RopeFn rope;
+  SiluMulFn silu_mul;
+  ExpFn exp;
+  AttendFn attend;
+};
+
+// y[i] = exp_ps(x[i]) for i < n at a level: for the tests, which measure exp_ps itself.
+void exp_rows(int level, const float* x, int64_t n, float* y);
+
+// The kernels of one level (null entries fall back to the next lower level's).
+const LayerKernels& layer_kernels_generic();
+#if defined(__x86_64__) || defined(_M_X64)
+const LayerKernels& layer_kernels_avx2();
+const LayerKernels& layer_kernels_avx512();
+#endif
+
+}  // namespace specserve

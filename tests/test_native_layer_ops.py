@@ -1,0 +1,299 @@
+"""specserve's native layer kernels (specserve/native/csrc/layer_ops.h): RMSNorm, RoPE, SiLU x up,
+exp_ps and paged attention.
+
+Two kinds of test, kept apart:
+- tolerance: each kernel against a float64 torch reference, within float32 rounding (exp_ps within
+  1 ulp of the true value);
+- exact: every CPU level this machine has gives the generic C++'s bits; a query's attention output
+  is the same bits whatever else shares the call (other sequences, more query tokens, partners); a
+  token-tree query equals the causal-chain query of its accepted path; RoPE equals the torch
+  path's bits (the same products and sums).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specserve import hardware, native
+from specserve.model.llama import apply_rope
+from specserve.spec.tree import DraftTree
+
+ext = native.load()
+pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+# Levels with their own layer kernels that this machine runs (4 and 5 reuse level 2's).
+LEVELS = list(range(min(int(hardware.machine().isa), 3) + 1))
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    differ = (bits(a) != bits(b)).sum().item()
+    assert differ == 0, f"{what}: {differ} of {a.numel()} values differ, max |diff| {(a - b).abs().max().item()}"
+
+
+# ---- a paged attention call, and its float64 reference --------------------------------------
+
+
+@dataclass
+class Seq:
+    """One sequence of an attention call: its query tokens see slots [0, prefix[i]) and, for a
+    token-tree query (tree_rows[i] >= 0), the tree slots tree_start + m where tree_mask[row, m]."""
+
+    blocks: list[int]  # block table row
+    prefix: list[int]  # [q] prefix_len of each query token
+    tree_rows: list[int] | None = None  # [q] row of tree_mask each token uses, -1: none
+    tree_start: int = 0
+    tree_mask: torch.Tensor | None = None  # [rows, tree_size] bool
+
+    @classmethod
+    def chain(cls, blocks: list[int], context: int, num_q: int) -> Seq:
+        """num_q causal tokens at slots context .. context + num_q - 1."""
+        return cls(blocks, [context + i + 1 for i in range(num_q)])
+
+    @classmethod
+    def tree(cls, blocks: list[int], start: int, tree: DraftTree) -> Seq:
+        """[root, nodes] of a draft tree at slots start, start + 1, ... (specserve.spec.tree)."""
+        mask = tree.attention_mask()
+        return cls(blocks, [start] * mask.shape[0], list(range(mask.shape[0])), start, mask)
+
+    def sees(self, i: int, p: int) -> bool:
+        if p < self.prefix[i]:
+            return True
+        if self.tree_rows is None or self.tree_rows[i] < 0:
+            return False
+        m = p - self.tree_start
+        return 0 <= m < self.tree_mask.shape[1] and bool(self.tree_mask[self.tree_rows[i], m])
+
+
+@dataclass
+class Pool:
+    k: torch.Tensor  # [blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @classmethod
+    def random(cls, blocks: int, block_size: int, kv_heads: int, head_dim: int, seed: int) -> Pool:
+        g = torch.Generator().manual_seed(seed)
+        shape = (blocks, block_size, kv_heads, head_dim)
+        return cls(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+
+    def slot(self, seq: Seq, p: int) -> tuple[int, int]:
+        bs = self.k.shape[1]
+        return seq.blocks[p // bs], p % bs
+
+
+def attend(level: int, q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float | None = None) -> torch.Tensor:
+    """q [num_tokens, heads, head_dim], the sequences' tokens in order -> [num_tokens, heads * head_dim]."""
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + len(s.prefix))
+    width = max(len(s.blocks) for s in seqs)
+    table = torch.tensor([s.blocks + [-1] * (width - len(s.blocks)) for s in seqs], dtype=torch.int64)
+    prefix = torch.tensor([p for s in seqs for p in s.prefix], dtype=torch.int64)
+    tree = {}
+    if any(s.tree_mask is not None for s in seqs):
+        rows, masks, offset = [], [], 0
+        for s in seqs:
+            n = 0 if s.tree_mask is None else s.tree_mask.shape[1]
+            rows += [-1 if s.tree_rows is None or r < 0 else offset + r * n for r in (s.tree_rows or [-1] * len(s.prefix))]
+            if s.tree_mask is not None:
+                masks.append(s.tree_mask.reshape(-1))
+                offset += s.tree_mask.numel()
+        tree = dict(tree_row=torch.tensor(rows, dtype=torch.int64),
+                    tree_start=torch.tensor([s.tree_start for s in seqs], dtype=torch.int64),
+                    tree_size=torch.tensor([0 if s.tree_mask is None else s.tree_mask.shape[1] for s in seqs]),
+                    tree_mask=torch.cat(masks).to(torch.uint8))
+    return ext.paged_attention(level, q, pool.k, pool.v, torch.tensor(starts), table, prefix, scale=scale, **tree)
+
+
+def reference(q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float) -> torch.Tensor:
+    """Explicit softmax over each query's visible slots, in float64."""
+    heads, kv_heads = q.shape[1], pool.k.shape[2]
+    out, row = [], 0
+    for s in seqs:
+        for i in range(len(s.prefix)):
+            reach = max(s.prefix[i], s.tree_start + (0 if s.tree_mask is None else s.tree_mask.shape[1]))
+            slots = [pool.slot(s, p) for p in range(reach) if s.sees(i, p)]
+            k = torch.stack([pool.k[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, 1)
+            v = torch.stack([pool.v[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, 1)
+            probs = (torch.einsum("hd,lhd->hl", q[row].double(), k) * scale).softmax(-1)
+            out.append(torch.einsum("hl,lhd->hd", probs, v).reshape(-1))
+            row += 1
+    return torch.stack(out)
+
+
+def scattered_blocks(count: int, pool_blocks: int, seed: int) -> list[int]:
+    return torch.randperm(pool_blocks, generator=torch.Generator().manual_seed(seed))[:count].tolist()
+
+
+def small_tree() -> DraftTree:
+    # root -> 0 -> 2 -> 5, root -> 0 -> 3, root -> 1 -> 4: two branches at the root and at node 0
+    return DraftTree([11, 12, 13, 14, 15, 16], [-1, -1, 0, 0, 1, 2])
+
+
+def mixed_call(block_size: int, head_dim: int, seed: int) -> tuple[torch.Tensor, Pool, list[Seq]]:
+    """Ragged sequences in one call: decodes at contexts 1, 15, 16, 17 and 1000, a 5-token chain,
+    a token tree and a 24-token prefill chunk, on scattered blocks."""
+    heads, kv_heads = 9, 3
+    per_seq = -(-1010 // block_size)
+    pool = Pool.random(8 * per_seq, block_size, kv_heads, head_dim, seed)
+    blocks = [scattered_blocks(per_seq, 8 * per_seq, seed + i) for i in range(8)]
+    seqs = [Seq.chain(blocks[0], 0, 1), Seq.chain(blocks[1], 14, 1), Seq.chain(blocks[2], 15, 1),
+            Seq.chain(blocks[3], 16, 1), Seq.chain(blocks[4], 999, 1), Seq.chain(blocks[5], 40, 5),
+            Seq.tree(blocks[6], 33, small_tree()), Seq.chain(blocks[7], 0, 24)]
+    q = torch.randn(sum(len(s.prefix) for s in seqs), heads, head_dim, generator=torch.Generator().manual_seed(seed))
+    return q, pool, seqs
+
+
+# ---- tolerance: float64 references -----------------------------------------------------------
+
+
+def test_exp_ps_within_one_ulp_and_special_values():
+    x = torch.cat([torch.linspace(-87.3, 88.7, 400_001), torch.randn(100_000) * 4, torch.rand(10_000) * 1e-4])
+    ref = torch.exp(x.double())
+    spacing = (torch.nextafter(ref.float(), torch.tensor(float("inf"))) - ref.float()).double()
+    ulps = ((ext.exp_ps(0, x).double() - ref).abs() / spacing).max().item()
+    assert ulps <= 1.0, f"exp_ps is {ulps:.2f} ulp off"
+    special = torch.tensor([0.0, -0.0, float("-inf"), -88.0, -1e30, 88.8, float("inf"), float("nan")])
+    for level in LEVELS:
+        got = ext.exp_ps(level, special)
+        assert got[:2].tolist() == [1.0, 1.0] and got[2:5].tolist() == [0.0, 0.0, 0.0]
+        assert got[5:7].tolist() == [float("inf")] * 2 and got[7].isnan()
+
+
+def test_rmsnorm_and_silu_mul_match_float64():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, 576, generator=g), torch.randn(576, generator=g)
+    ref = x.double() * (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt() * w.double()
+    gu = torch.randn(70, 2 * 1536, generator=g) * 6
+    gate, up = gu.double().split(1536, dim=-1)
+    for level in LEVELS:
+        assert (ext.rmsnorm(level, x, w, 1e-5).double() - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+        got = ext.silu_mul(level, gu).double()
+        assert (got - torch.nn.functional.silu(gate) * up).abs().max().item() <= 1e-6 * got.abs().max().item()
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 5])
+def test_attention_matches_float64(block_size):
+    q, pool, seqs = mixed_call(block_size, 64, seed=block_size)
+    ref = reference(q, pool, seqs, 0.125)
+    for level in LEVELS:
+        assert (attend(level, q, pool, seqs).double() - ref).abs().max().item() <= 2e-6
+
+
+# ---- exact: the same bits at every level, whatever shares the call ----------------------------
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+def test_every_level_gives_the_generic_bits(head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(70, 8 * head_dim, generator=g) * 3
+    w = torch.randn(8 * head_dim, generator=g)
+    exp_in = torch.randn(1000, generator=g) * 40
+    q, pool, seqs = mixed_call(16 if head_dim != 48 else 3, head_dim, seed=head_dim)
+    pos = torch.randint(0, 4096, (70,), generator=g)
+    cos, sin = torch.randn(4096, head_dim // 2, generator=g), torch.randn(4096, head_dim // 2, generator=g)
+    results = {}
+    for level in LEVELS:
+        rotated = x.clone()
+        ext.rope_(level, rotated, pos, cos, sin, 7, head_dim)  # the last head stays as it is
+        results[level] = dict(rmsnorm=ext.rmsnorm(level, x, w, 1e-6), silu_mul=ext.silu_mul(level, x),
+                              exp_ps=ext.exp_ps(level, exp_in), rope=rotated, attention=attend(level, q, pool, seqs))
+    assert torch.equal(results[0]["rope"][:, 7 * head_dim:], x[:, 7 * head_dim:])
+    for level in LEVELS[1:]:
+        for name, value in results[level].items():
+            assert_same_bits(value, results[0][name], f"{name} at level {level}, head_dim {head_dim}")
+
+
+def test_rope_equals_the_torch_path():
+    """x1 c - x2 s and x2 c + x1 s, products rounded: what apply_rope computes with the full tables."""
+    g = torch.Generator().manual_seed(1)
+    half = 32
+    freqs = torch.outer(torch.arange(8192, dtype=torch.float32), torch.rand(half, generator=g))
+    cos, sin = freqs.cos(), freqs.sin()
+    x = torch.randn(20, 12, 2 * half, generator=g)  # [tokens, heads, head_dim]
+    pos = torch.randint(0, 8192, (20,), generator=g)
+    full_cos, full_sin = torch.cat([cos, cos], -1)[pos], torch.cat([-sin, sin], -1)[pos]
+    want = apply_rope(x[None], full_cos[None, :, None], full_sin[None, :, None])[0]
+    for level in LEVELS:
+        got = x.clone()
+        ext.rope_(level, got, pos, cos, sin, 12, 2 * half)
+        assert_same_bits(got, want, f"rope at level {level}")
+
+
+@pytest.mark.parametrize("context", [1, 16, 17, 1000])
+def test_attention_output_does_not_depend_on_the_rest_of_the_call(context):
+    """A decode query alone; as the first token of 1..17 verification tokens; beside other
+    sequences (chains, a tree, other lengths); with different partners: the same bits."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    pool = Pool.random(400, block_size, kv_heads, head_dim, seed=context)
+    mine = scattered_blocks(-(-(context + 17) // block_size), 200, seed=context)
+    others = [scattered_blocks(70, 400, seed=context + i)[:70] for i in range(3)]
+    others = [[b for b in o if b not in mine][:65] for o in others]
+    g = torch.Generator().manual_seed(context)
+    q = torch.randn(17, heads, head_dim, generator=g)
+    partners = [Seq.chain(others[0], 700, 9), Seq.tree(others[1], 12, small_tree()), Seq.chain(others[2], 3, 1)]
+    qp = [torch.randn(len(s.prefix), heads, head_dim, generator=g) for s in partners]
+    for level in LEVELS:
+        alone = attend(level, q[:1], pool, [Seq.chain(mine, context - 1, 1)])
+        last_alone = attend(level, q[16:], pool, [Seq([*mine], [context + 16])])
+        for width in range(1, 18):
+            got = attend(level, q[:width], pool, [Seq.chain(mine, context - 1, width)])
+            assert_same_bits(got[:1], alone, f"level {level}, first of {width} tokens")
+        assert_same_bits(got[16:], last_alone, f"level {level}, last of 17 tokens")
+        for chosen in ([0], [1], [0, 2], [2, 1, 0]):
+            seqs = [partners[i] for i in chosen]
+            lead = sum(len(s.prefix) for s in seqs[:1])
+            call = seqs[:1] + [Seq.chain(mine, context - 1, 1)] + seqs[1:]
+            qs = torch.cat([qp[chosen[0]], q[:1], *[qp[i] for i in chosen[1:]]])
+            got = attend(level, qs, pool, call)
+            assert_same_bits(got[lead:lead + 1], alone, f"level {level}, beside partners {chosen}")
+
+
+def test_tree_query_equals_the_chain_query_of_its_accepted_path():
+    """Node 5 of the tree (path root -> 0 -> 2 -> 5) sees the context, the root and its ancestors;
+    after compaction its path sits right after the root, where a chain query sees the same keys in
+    the same order at other slots."""
+    heads, kv_heads, head_dim, block_size, start = 9, 3, 64, 16, 300
+    tree = small_tree()
+    path = [0, 2, 5]
+    pool = Pool.random(64, block_size, kv_heads, head_dim, seed=5)
+    tree_seq = Seq.tree(scattered_blocks(21, 32, seed=1), start, tree)
+    chain_seq = Seq(scattered_blocks(21, 32, seed=2), [start + 1 + len(path)])
+    chain_seq.blocks = [b + 32 for b in chain_seq.blocks]  # the other half of the pool
+    for p in range(start + 1):  # the same context and root
+        pool.k[pool.slot(chain_seq, p)] = pool.k[pool.slot(tree_seq, p)]
+        pool.v[pool.slot(chain_seq, p)] = pool.v[pool.slot(tree_seq, p)]
+    for depth, node in enumerate(path):  # the accepted path, compacted
+        dst, src = pool.slot(chain_seq, start + 1 + depth), pool.slot(tree_seq, start + 1 + node)
+        pool.k[dst], pool.v[dst] = pool.k[src], pool.v[src]
+    q = torch.randn(tree.num_nodes + 1, heads, head_dim, generator=torch.Generator().manual_seed(6))
+    for level in LEVELS:
+        in_tree = attend(level, q, pool, [tree_seq])[1 + path[-1]]
+        as_chain = attend(level, q[1 + path[-1]:2 + path[-1]], pool, [chain_seq])[0]
+        assert_same_bits(in_tree, as_chain, f"level {level}")
+
+
+def test_bad_inputs_are_refused_with_a_reason():
+    pool = Pool.random(4, 16, 3, 64, seed=0)
+    q = torch.randn(2, 9, 64)
+    call = dict(q_start=torch.tensor([0, 2]), block_table=torch.tensor([[0, 1]]), prefix_len=torch.tensor([5, 6]))
+    assert attend(0, q, pool, [Seq([0, 1], [5, 6])]).shape == (2, 9 * 64)
+    for level in LEVELS:  # a query that sees no slot
+        assert not attend(level, q[:1], pool, [Seq([0], [0])]).any()
+    with pytest.raises(RuntimeError, match="lies outside"):
+        ext.paged_attention(0, q, pool.k, pool.v, **(call | dict(prefix_len=torch.tensor([5, 33]))))
+    with pytest.raises(RuntimeError, match="is not a block of the pool"):
+        ext.paged_attention(0, q, pool.k, pool.v, **(call | dict(block_table=torch.tensor([[0, 9]]), prefix_len=torch.tensor([5, 17]))))
+    with pytest.raises(RuntimeError, match="come together"):
+        ext.paged_attention(0, q, pool.k, pool.v, **call, tree_row=torch.tensor([-1, -1]))
+    with pytest.raises(RuntimeError, match="cannot share"):
+        ext.paged_attention(0, torch.randn(2, 8, 64), pool.k, pool.v, **call)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.rmsnorm(0, torch.randn(2, 40), torch.ones(40), 1e-6)
+    with pytest.raises(RuntimeError, match="positions must lie"):
+        ext.rope_(0, torch.randn(2, 64), torch.tensor([0, 8]), torch.ones(8, 32), torch.ones(8, 32), 1, 64)
