@@ -82,8 +82,10 @@ def run_serve(args) -> int:
                           log_prompts=args.log_prompts, grace_period_s=args.grace_period)
     app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
-    log.info("loaded %s in %.1fs (%s, %s; speculation: %s; %s)", loaded.name, time.perf_counter() - t,
-             args.dtype, loaded.model.device, spec["method"] if spec else "none", llm.kv_budget.describe())
+    log.info("loaded %s in %.1fs (%s; speculation: %s; %s)", loaded.name, time.perf_counter() - t,
+             loaded.kernels, spec["method"] if spec else "none", llm.kv_budget.describe())
+    if loaded.notice:
+        log.warning(loaded.notice)
     log.info("serving %s on http://%s:%d/v1", ", ".join(names), host, port)
 
     server = DrainingServer(app, engine, args.grace_period, log_level=args.log_level, access_log=False, lifespan="on")
