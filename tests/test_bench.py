@@ -17,11 +17,12 @@ from specserve.sampling_params import SamplingParams
 from tests.helpers import make_tiny_checkpoint
 
 RESULT_KEYS = {"method", "label", "draft", "num_speculative_tokens", "temperature", "tokens_per_s", "decode_tokens_per_s",
+               "prefill_tokens_per_s",
                "speedup", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "identical_to_baseline",
                "num_prompts", "num_tokens", "per_category"}
 # Throughput mode: the same keys (figures over the whole run; no per-category split, since tokens/s
 # is over the run's wall time), plus the serving figures.
-THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category"}) | {
+THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category", "prefill_tokens_per_s"}) | {
     "concurrency", "wall_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
     "prefix_cache_hit_rate", "num_preemptions"}
 
@@ -85,9 +86,10 @@ def _spec(drafted: int, accepted: int, emitted: int, passes: int) -> SpecStats:
 
 def test_figures_compare_prompt_by_prompt():
     base = [Sample([1, 2, 3, 4], 2.0, 0.5), Sample([5, 6], 1.0, 0.5)]
-    spec = [Sample([1, 2, 3, 4], 1.0, 0.5, _spec(6, 3, 6, 3)), Sample([5, 7], 1.0, 0.5, _spec(2, 0, 1, 1))]
+    spec = [Sample([1, 2, 3, 4], 1.0, 0.5, _spec(6, 3, 6, 3), 30), Sample([5, 7], 1.0, 0.5, _spec(2, 0, 1, 1), 10)]
     f = figures(spec, base, greedy=True)
     assert f.tokens_per_s == 3.0 and f.speedup == 1.5 and f.decode_tokens_per_s == 4 / 1.0
+    assert f.prefill_tokens_per_s == 40 / 1.0
     assert f.acceptance_rate == 3 / 8 and f.mean_accepted_length == 7 / 4
     assert f.acceptance_by_position == [3 / 4, 0 / 2]
     assert f.identical_to_baseline == 0.5

@@ -269,10 +269,11 @@ def _fmt(x, spec: str = "{:.2f}", suffix: str = "") -> str:
 
 def _print_table(reports, seconds: float) -> None:
     width = max(24, *(len(r.config.label) for r in reports)) + 1
-    print(f"\n{'configuration':<{width}} {'tok/s':>8} {'decode':>8} {'speedup':>8} {'accept':>7} {'tau':>6} {'identical':>9}")
+    print(f"\n{'configuration':<{width}} {'tok/s':>8} {'decode':>8} {'prefill':>8} {'speedup':>8} {'accept':>7} {'tau':>6} "
+          f"{'identical':>9}")
     for r in reports:
         f = r.overall
-        print(f"{r.config.label:<{width}} {f.tokens_per_s:>8.1f} {f.decode_tokens_per_s:>8.1f} "
+        print(f"{r.config.label:<{width}} {f.tokens_per_s:>8.1f} {f.decode_tokens_per_s:>8.1f} {f.prefill_tokens_per_s:>8.1f} "
               f"{_fmt(f.speedup, suffix='x'):>8} {_fmt(f.acceptance_rate):>7} {_fmt(f.mean_accepted_length):>6} "
               f"{_fmt(f.identical_to_baseline):>9}")
     cats = list(reports[0].per_category)
@@ -282,6 +283,7 @@ def _print_table(reports, seconds: float) -> None:
         for r in reports[1:]:
             print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(r.per_category[c].speedup, suffix='x'):>11}" for c in cats))
     print(f"\n(tok/s: generated tokens over request time, prefill included; decode: after the first token; "
+          f"prefill: prompt tokens over the time to the first token; "
           f"tau: tokens per target pass; measured in {seconds:.0f}s)")
 
 

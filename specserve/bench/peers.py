@@ -97,7 +97,8 @@ class TransformersRunner:
                                   eos_token_id=self.eos, pad_token_id=self.eos[0], streamer=clock, **sampling, **extra)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return Sample(out[0, len(prompt_ids):].tolist(), time.perf_counter() - clock.start, clock.first_token - clock.start)
+        return Sample(out[0, len(prompt_ids):].tolist(), time.perf_counter() - clock.start, clock.first_token - clock.start,
+                      num_prompt_tokens=len(prompt_ids))
 
 
 def transformers_runners(loaded: LoadedModel, plan: PeerPlan) -> list[TransformersRunner]:
@@ -154,7 +155,7 @@ class LlamaCppRunner:
             tokens.append(int(tok))
             if tok in self.eos or len(tokens) >= params.max_tokens:
                 break
-        return Sample(tokens, time.perf_counter() - t, first - t)
+        return Sample(tokens, time.perf_counter() - t, first - t, num_prompt_tokens=len(prompt_ids))
 
 
 def llama_cpp_runners(loaded: LoadedModel, plan: PeerPlan, log: Callable[[str], None]) -> list[LlamaCppRunner]:

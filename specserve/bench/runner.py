@@ -34,6 +34,7 @@ class Sample:
     seconds: float  # wall clock of the whole request, prefill included
     first_token_seconds: float  # wall clock until the first generated token (prefill)
     spec: SpecStats | None = None  # None where a configuration has no acceptance figures
+    num_prompt_tokens: int = 0  # the prompt's tokens, which the first token's wait prefilled
 
 
 class Runner(Protocol):
@@ -53,7 +54,7 @@ class SpecserveRunner:
         out = self.llm.generate([prompt_ids], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - t
         spec = out.spec if self.llm.spec_config is not None else None
-        return Sample(out.outputs[0].token_ids, seconds, out.metrics.first_token_time - t, spec)
+        return Sample(out.outputs[0].token_ids, seconds, out.metrics.first_token_time - t, spec, len(prompt_ids))
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class Figures:
     num_tokens: int
     tokens_per_s: float  # generated tokens over request time, prefill included
     decode_tokens_per_s: float  # tokens after the first over the time after the first
+    prefill_tokens_per_s: float  # prompt tokens over the time to the first token
     speedup: float | None  # tokens_per_s over plain specserve's on the same prompts
     acceptance_rate: float | None
     mean_accepted_length: float | None  # tokens emitted per target pass (tau)
@@ -71,7 +73,8 @@ class Figures:
     def as_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
         return {"num_prompts": self.num_prompts, "num_tokens": self.num_tokens, "tokens_per_s": r(self.tokens_per_s),
-                "decode_tokens_per_s": r(self.decode_tokens_per_s), "speedup": r(self.speedup),
+                "decode_tokens_per_s": r(self.decode_tokens_per_s),
+                "prefill_tokens_per_s": r(self.prefill_tokens_per_s), "speedup": r(self.speedup),
                 "acceptance_rate": r(self.acceptance_rate), "mean_accepted_length": r(self.mean_accepted_length),
                 "acceptance_by_position": None if self.acceptance_by_position is None
                 else [r(a) for a in self.acceptance_by_position],
@@ -98,6 +101,7 @@ def figures(samples: Sequence[Sample], baseline: Sequence[Sample], greedy: bool)
         num_tokens=tokens,
         tokens_per_s=tps,
         decode_tokens_per_s=decode_tps,
+        prefill_tokens_per_s=rate(sum(s.num_prompt_tokens for s in samples), sum(s.first_token_seconds for s in samples)),
         speedup=tps / base_tps if base_tps > 0 else None,
         acceptance_rate=None if spec is None else spec.acceptance_rate,
         mean_accepted_length=None if spec is None else spec.mean_accepted_length,
