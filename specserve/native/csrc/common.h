@@ -6,6 +6,7 @@
 // operations, with fused multiply-adds written out, and every level performs that sequence.
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace specserve {
@@ -29,5 +30,21 @@ constexpr bool kX86 = true;
 #else
 constexpr bool kX86 = false;
 #endif
+
+// The function tables of every CPU level, built once: each entry the level's own or, where the
+// level (or this build) has none, the next lower level's. Own(l) is level l's own table or null;
+// Table::overlay(t) takes t's non-null entries. Used by the generic dispatch code only (the
+// level's own tables are constant data, so building these runs no code of a higher level).
+template <class Table, const Table* (*Own)(int)>
+const Table& level_table(int level) {
+  static const std::array<Table, LEVEL_AMX + 1> tables = [] {
+    std::array<Table, LEVEL_AMX + 1> t{};
+    for (int l = LEVEL_GENERIC; l <= LEVEL_AMX; ++l)
+      for (int k = LEVEL_GENERIC; k <= l; ++k)
+        if (const Table* own = Own(k)) t[l].overlay(*own);
+    return t;
+  }();
+  return tables[level];
+}
 
 }  // namespace specserve

@@ -108,31 +108,20 @@ void attend_generic(const AttentionTask& t, float* scratch) {
   }
 }
 
-// The table of a level: each entry the level's own, or the next lower level's.
-LayerKernels kernels_for(int level) {
-  const LayerKernels* chain[3] = {&layer_kernels_generic(), nullptr, nullptr};
+const LayerKernels* own_kernels(int level) {
+  switch (level) {
+    case LEVEL_GENERIC: return &layer_kernels_generic();
 #if defined(__x86_64__) || defined(_M_X64)
-  if (level >= LEVEL_AVX2) chain[1] = &layer_kernels_avx2();
-  if (level >= LEVEL_AVX512) chain[2] = &layer_kernels_avx512();
+    case LEVEL_AVX2: return &layer_kernels_avx2();
+    case LEVEL_AVX512: return &layer_kernels_avx512();
 #endif
-  LayerKernels out{};
-  for (const LayerKernels* k : chain) {
-    if (!k) continue;
-    if (k->rmsnorm) out.rmsnorm = k->rmsnorm;
-    if (k->rope) out.rope = k->rope;
-    if (k->silu_mul) out.silu_mul = k->silu_mul;
-    if (k->exp) out.exp = k->exp;
-    if (k->attend) out.attend = k->attend;
+    default: return nullptr;
   }
-  return out;
 }
 
 const LayerKernels& kernels(int level) {
-  static const LayerKernels tables[6] = {kernels_for(0), kernels_for(1), kernels_for(2),
-                                         kernels_for(3), kernels_for(4), kernels_for(5)};
   TORCH_CHECK(level >= 0 && level <= LEVEL_AMX, "CPU level ", level, " is not one of 0..5");
-  if (!kX86) level = LEVEL_GENERIC;
-  return tables[level];
+  return level_table<LayerKernels, own_kernels>(level);
 }
 
 // Rows [0, n) in parallel chunks, but on the calling thread for decode-sized batches, where

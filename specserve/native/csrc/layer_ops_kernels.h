@@ -162,6 +162,14 @@ struct LayerKernels {
   SiluMulFn silu_mul;
   ExpFn exp;
   AttendFn attend;
+
+  void overlay(const LayerKernels& own) {
+    if (own.rmsnorm) rmsnorm = own.rmsnorm;
+    if (own.rope) rope = own.rope;
+    if (own.silu_mul) silu_mul = own.silu_mul;
+    if (own.exp) exp = own.exp;
+    if (own.attend) attend = own.attend;
+  }
 };
 
 // y[i] = exp_ps(x[i]) for i < n at a level: for the tests, which measure exp_ps itself.

@@ -102,29 +102,21 @@ GemmKernels make_gemm_kernels(QuantizeFn quantize, const GemmEntry* entries, int
 namespace {
 
 // The kernel table of a level: each entry the level's own, or the next lower level's.
-GemmKernels kernels_for(int level) {
-  const GemmKernels* chain[4] = {&gemm_kernels_generic(), nullptr, nullptr, nullptr};
+const GemmKernels* own_kernels(int level) {
+  switch (level) {
+    case LEVEL_GENERIC: return &gemm_kernels_generic();
 #if defined(__x86_64__) || defined(_M_X64)
-  if (level >= LEVEL_AVX2) chain[1] = &gemm_kernels_avx2();
-  if (level >= LEVEL_AVX512) chain[2] = &gemm_kernels_avx512();
-  if (level >= LEVEL_AVX512_VNNI) chain[3] = &gemm_kernels_avx512_vnni();
+    case LEVEL_AVX2: return &gemm_kernels_avx2();
+    case LEVEL_AVX512: return &gemm_kernels_avx512();
+    case LEVEL_AVX512_VNNI: return &gemm_kernels_avx512_vnni();
 #endif
-  GemmKernels out{};
-  for (const GemmKernels* k : chain) {
-    if (!k) continue;
-    if (k->quantize) out.quantize = k->quantize;
-    for (int f = 0; f < 16; ++f)
-      if (k->gemm[f]) out.gemm[f] = k->gemm[f];
+    default: return nullptr;
   }
-  return out;
 }
 
 const GemmKernels& kernels(int level) {
-  static const GemmKernels tables[6] = {kernels_for(0), kernels_for(1), kernels_for(2),
-                                        kernels_for(3), kernels_for(4), kernels_for(5)};
   TORCH_CHECK(level >= 0 && level <= LEVEL_AMX, "CPU level ", level, " is not one of 0..5");
-  if (!kX86) level = LEVEL_GENERIC;
-  return tables[level];
+  return level_table<GemmKernels, own_kernels>(level);
 }
 
 }  // namespace

@@ -209,6 +209,12 @@ using GemmFn = void (*)(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1
 struct GemmKernels {
   QuantizeFn quantize;
   GemmFn gemm[16];  // by format id; null where the level has no kernel for it
+
+  void overlay(const GemmKernels& own) {
+    if (own.quantize) quantize = own.quantize;
+    for (int f = 0; f < 16; ++f)
+      if (own.gemm[f]) gemm[f] = own.gemm[f];
+  }
 };
 
 // A level's kernel for one format. The SIMD levels list theirs as constant data, which generic
