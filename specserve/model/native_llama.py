@@ -87,9 +87,10 @@ def _block_elements(ext: ModuleType, fmt: GGMLQuantizationType) -> int:
     return int(ext.gguf_block_elements(int(fmt)))
 
 
-class NativeEmbedding(nn.Module):
-    """Token embeddings looked up row by row from packed units (no float copy of the table);
-    `weight` [V, H] float32, for drafters that fingerprint or read it, is dequantized when asked."""
+class PackedRows(nn.Module):
+    """The rows of a packed matrix [V, H]: `forward(ids)` looks rows up (the token embedding,
+    without a float copy of the table); `weight` [V, H] float32, dequantized when asked, is
+    for drafters that fingerprint the embedding or read the vocabulary projection's rows."""
 
     def __init__(self, ext: ModuleType, fmt: GGMLQuantizationType, units: torch.Tensor, vocab: int, hidden: int):
         super().__init__()
@@ -103,19 +104,6 @@ class NativeEmbedding(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         return self.ext.dequantize_units(self.format, self.units, self.units.shape[0] * 16, self.hidden)[: self.vocab]
-
-
-class _VocabProjection(nn.Module):
-    """The vocabulary projection for drafters that read its rows: `weight` [V, H] float32,
-    dequantized from the blocks when asked (the engine itself never needs it)."""
-
-    def __init__(self, blocks: Blocks, vocab: int):
-        super().__init__()
-        self._blocks, self._vocab = blocks, vocab
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self._blocks.dequantized()[: self._vocab]
 
 
 class NativeLlamaModel(nn.Module):
@@ -230,7 +218,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     # is the same tensor unchanged.
     if isinstance(embed, Blocks) and embed.format in kernels and embed.cols % _block_elements(ext, embed.format) == 0:
         units = lm_head.units if head is embed else ext.repack(int(embed.format), torch.from_numpy(embed.raw), embed.cols)
-        embed_tokens = NativeEmbedding(ext, embed.format, units, cfg.vocab_size, cfg.hidden_size)
+        embed_tokens = PackedRows(ext, embed.format, units, cfg.vocab_size, cfg.hidden_size)
     else:
         embed_tokens = nn.Embedding.from_pretrained(embed.dequantized() if isinstance(embed, Blocks) else embed.float(),
                                                     freeze=True)
@@ -244,8 +232,8 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     core = ext.NativeModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                            cfg.rms_norm_eps, layers, final_norm, lm_head,
                            rotary.cos[:, :half].contiguous(), rotary.sin[:, half:].contiguous())
-    return NativeLlamaModel(cfg, core, embed_tokens,
-                            _VocabProjection(head, cfg.vocab_size), level, quantization, "/".join(sorted(formats)),
+    vocab_rows = PackedRows(ext, head.format, lm_head.units, cfg.vocab_size, cfg.hidden_size)
+    return NativeLlamaModel(cfg, core, embed_tokens, vocab_rows, level, quantization, "/".join(sorted(formats)),
                             sum(packed_bytes))
 
 
