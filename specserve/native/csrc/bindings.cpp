@@ -1,11 +1,13 @@
-// The Python module: each kernel family registers its functions here.
+// The Python module: the kernel families' entry points (their *_py.inc files, compiled here in
+// one translation unit, since every file that includes torch's extension headers costs ~40 s of
+// the build) and the native model's classes (model.cpp).
 #include <torch/extension.h>
 
 #include "common.h"
+#include "layer_ops_py.inc"
+#include "qgemm_py.inc"
 
 namespace specserve {
-void register_gemm(pybind11::module_& m);
-void register_layer_ops(pybind11::module_& m);
 void register_model(pybind11::module_& m);
 }
 

@@ -1,9 +1,9 @@
 // Layer kernels: the generic (any CPU) implementations, written as layer_ops.h defines them,
 // and the level dispatch. The SIMD levels live in layer_ops_avx*.cpp, the Python entry points
-// in layer_ops_py.cpp.
+// in layer_ops_py.inc.
 #include "layer_ops.h"
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
 
 #include <ATen/Parallel.h>
 

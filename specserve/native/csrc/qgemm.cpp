@@ -1,6 +1,6 @@
 // Quantized products: the generic (any CPU) kernels and the level dispatch. The arithmetic is
 // defined in qgemm.h; the SIMD levels live in qgemm_avx*.cpp, the formats in qformats.cpp and the
-// Python entry points in qgemm_py.cpp.
+// Python entry points in qgemm_py.inc.
 #include "qgemm.h"
 
 #include <ATen/Parallel.h>
