@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
@@ -37,7 +38,11 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | float | None = None,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True):
         self.spec_config = SpeculativeConfig.from_dict(speculative_config)
-        self.target = loaded or load_model(model, dtype=dtype, device=device, quantization=quantization)
+        if loaded is None:
+            loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
+            if loaded.notice:  # (the command line prints it on its load line)
+                warnings.warn(loaded.notice, stacklevel=2)
+        self.target = loaded
         context = self.target.config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
