@@ -112,7 +112,7 @@ class NativeLlamaModel(nn.Module):
 
     native = True
 
-    def __init__(self, cfg: ModelConfig, core, embed_tokens: nn.Embedding, lm_head: nn.Module, level: int,
+    def __init__(self, cfg: ModelConfig, core, embed_tokens: nn.Module, lm_head: nn.Module, level: int,
                  quantization: str, description: str, weight_bytes: int):
         super().__init__()
         self.weight_bytes = weight_bytes  # of the packed matrices: what a pass reads
@@ -149,8 +149,8 @@ class NativeLlamaModel(nn.Module):
 def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantization: str, ext: ModuleType,
                        level: int, permute_qk: bool) -> NativeLlamaModel:
     """The model from Hugging Face-named weights (Blocks or float tensors). `quantization`:
-    "gguf" keeps blocks that have a kernel (others become FALLBACK_FORMAT), "int8" / "int4"
-    quantize every matrix to Q8_0 / Q4_1. `permute_qk`: undo llama.cpp's q/k row order."""
+    "gguf" keeps blocks that have a kernel (others become FALLBACK_FORMAT); "int8" / "int4" (or a
+    format by name, QUANT_FORMATS) quantize every matrix to Q8_0 / Q4_1 (that format). `permute_qk`: undo llama.cpp's q/k row order."""
     kernels = kernel_formats(ext)
     requantize = quantization in QUANT_FORMATS
     fmt = QUANT_FORMATS.get(quantization, FALLBACK_FORMAT)
