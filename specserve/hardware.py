@@ -14,7 +14,8 @@ ops. The levels form a ladder, each including the ones below it:
     amx           + AMX tiles (Sapphire Rapids and later)
 
 `SPECSERVE_CPU_ISA=<level>` forces a lower level on any machine (a higher one than the CPU has
-is capped, with a notice), so the lower paths are exercised wherever the suite runs. It
+is capped at what it has; `Machine.describe` names both), so the lower paths are exercised
+wherever the suite runs. It
 governs specserve's own choices; torch's internal kernels read their own switches at start-up
 (`ATEN_CPU_CAPABILITY`, `ONEDNN_MAX_CPU_ISA`), which `emulation_env` gives for a level and which
 are read here too, so a process started under them behaves as on the lower CPU.
