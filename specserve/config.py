@@ -100,7 +100,7 @@ class EngineConfig:
     # KV pool size: `num_kv_blocks` blocks, or as many as `kv_cache_memory` holds (bytes when
     # > 1, else a fraction of the device's available memory, e.g. 0.5); neither given: enough
     # for max_num_seqs requests at full context, within half of the available memory
-    # (engine/kv_budget.py). A size that does not fit the available memory is refused.
+    # (kv/budget.py). A size that does not fit the available memory is refused.
     num_kv_blocks: int | None = None
     kv_cache_memory: int | float | None = None
     # Tokens computed per step across requests (prompt chunks + decode tokens + drafts): the

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
 from specserve.engine.engine import LLMEngine
-from specserve.engine.kv_budget import plan_kv_pool
+from specserve.kv.budget import plan_kv_pool
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel, load_model
 from specserve.outputs import RequestOutput, SpecStats

@@ -253,7 +253,7 @@ class _FakeEngine:
     """Finishes the oldest running request every step; notes how many ran together."""
 
     def __init__(self):
-        from specserve.engine.block_manager import PrefixCacheStats
+        from specserve.kv.block_manager import PrefixCacheStats
 
         self.stats = PrefixCacheStats()
         self.scheduler = type("S", (), {"pool": self, "num_preemptions": 0})()

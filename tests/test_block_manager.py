@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from specserve.engine.block_manager import (
+from specserve.kv.block_manager import (
     BlockPool,
     KVCacheManager,
     RequestTooLargeError,

@@ -12,7 +12,7 @@ from tests.helpers import make_tiny_checkpoint
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_logits_track_float32(tmp_path, dtype):
-    from specserve.engine.runner import ForwardBatch, ModelRunner
+    from specserve.model.runner import ForwardBatch, ModelRunner
 
     folder = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
     ref, half = load_model(folder, dtype="float32"), load_model(folder, dtype=dtype)

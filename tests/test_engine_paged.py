@@ -192,7 +192,7 @@ def test_pool_sized_from_a_fraction_of_free_memory(tiny):
 
 
 def test_prompt_chunks_are_grouped_to_bound_padding():
-    from specserve.engine.runner import _padding_groups
+    from specserve.model.runner import _padding_groups
 
     lengths = [800, 50, 52, 1, 790, 2, 1]
     groups = _padding_groups(lengths)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.config import EngineConfig
 from specserve.engine.engine import LLMEngine
 from specserve.sampling_params import SamplingParams

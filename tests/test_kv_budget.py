@@ -4,7 +4,7 @@ size that does not fit is refused with the figures, and the pool says where its 
 
 import pytest
 
-from specserve.engine import kv_budget
+from specserve.kv import budget as kv_budget
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
 

@@ -10,7 +10,7 @@ from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec.heads import load_drafter, new_drafter, save_drafter
 from specserve.spec.medusa import MedusaProposer
-from specserve.spec.proposer import SpecRequest
+from specserve.drafts import SpecRequest
 from tests.helpers import ragged_prompts
 
 CHOICES = [[0], [0, 0], [1], [0, 0, 0], [0, 1], [2], [1, 0], [0, 0, 0, 0]]

@@ -19,7 +19,7 @@ import torch
 
 from specserve import hardware, native
 from specserve.model.llama import apply_rope
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
@@ -57,7 +57,7 @@ class Seq:
 
     @classmethod
     def tree(cls, blocks: list[int], start: int, tree: DraftTree) -> Seq:
-        """[root, nodes] of a draft tree at slots start, start + 1, ... (specserve.spec.tree)."""
+        """[root, nodes] of a draft tree at slots start, start + 1, ... (specserve.drafts.tree)."""
         mask = tree.attention_mask()
         return cls(blocks, [start] * mask.shape[0], list(range(mask.shape[0])), start, mask)
 

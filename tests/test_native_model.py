@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve import native
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError
 from specserve.hardware import Isa, machine
 from specserve.llm import LLM

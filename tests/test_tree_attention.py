@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.model.paged_attention import PagedKVCache
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 
 TREE = DraftTree([11, 12, 13, 14, 15], [-1, -1, 0, 0, 1])  # depths 1 1 2 2 2
 

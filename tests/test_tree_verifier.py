@@ -11,7 +11,7 @@ import torch
 
 from specserve.sample import SamplingTensors, make_generator, processed_probs, reference_tree_verify, tree_verify, verify
 from specserve.sampling_params import SamplingParams as SP
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 
 PARAMS = [SP(temperature=0), SP(temperature=1.0), SP(temperature=0.7, top_p=0.9), SP(temperature=1.2, top_k=3), SP(min_p=0.2, temperature=0.9)]
 

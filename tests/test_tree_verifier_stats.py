@@ -18,7 +18,7 @@ import torch
 
 from specserve.sample import SamplingTensors, make_generator, tree_verify
 from specserve.sampling_params import SamplingParams as SP
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 from tests.helpers import chi_square_pvalue
 from tests.test_verifier_stats import BOS, DRAFT, LENGTH, PARAMS, TARGET, V, exact_joint, table_probs
 

@@ -16,7 +16,7 @@ from specserve.llm import LLM
 from specserve.sample import SamplingTensors, make_generator, tree_verify
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams as SP
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 from tests.helpers import chi_square_pvalue, generate_ids, ragged_prompts
 from tests.test_medusa import untrained_medusa
 from tests.test_tree_verifier import random_tree

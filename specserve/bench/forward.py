@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.hardware import Isa, machine
 from specserve.model.loader import load_model
 

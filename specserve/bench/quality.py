@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.bench.workload import SPEC_BENCH, Selection, load_workload, select
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.hardware import machine
 from specserve.llm import LLM
 from specserve.model.loader import LoadedModel, load_model

@@ -13,8 +13,8 @@ import torch
 
 from specserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig
 from specserve.engine.request import Request, Status
-from specserve.engine.runner import ForwardBatch, ModelRunner
-from specserve.engine.kv_budget import num_kv_blocks
+from specserve.model.runner import ForwardBatch, ModelRunner
+from specserve.kv.budget import num_kv_blocks
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
@@ -22,7 +22,8 @@ from specserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import SamplingTensors, VerifyOutput, make_generator, tree_verify, verify
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
-from specserve.spec import DraftProposal, DraftTree, DraftTreeProposal, Proposer, SpecRequest, VerifyFeedback
+from specserve.drafts import DraftProposal, DraftTree, DraftTreeProposal, SpecRequest, VerifyFeedback
+from specserve.spec.proposer import Proposer
 from specserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("specserve.engine")

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
-from specserve.engine.block_manager import BlockPool, KVCacheManager
+from specserve.kv.block_manager import BlockPool, KVCacheManager
 from specserve.engine.request import Request, Status
 
 

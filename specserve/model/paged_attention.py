@@ -141,7 +141,7 @@ class PagedKVCache:
         the blocks `block_tables[i]` (which may hold more blocks than this step needs).
 
         `tree_masks[i]`, when given, makes request i's tokens a flattened token tree (see
-        specserve.spec.tree): a [q, q] bool mask, token j seeing token m iff mask[j, m]. Token j
+        specserve.drafts.tree): a [q, q] bool mask, token j seeing token m iff mask[j, m]. Token j
         still writes slot start + j, but sits at position start + depth(j) (row sum - 1) and sees
         the context before start plus the tokens its row allows. None: causal, as a chain."""
         if not (len(block_tables) == len(start_positions) == len(query_lens) >= 1):

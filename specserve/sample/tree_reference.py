@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.sample.logits import SamplingTensors, processed_probs
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 
 
 def reference_tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,

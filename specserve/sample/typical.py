@@ -20,7 +20,7 @@ import torch
 
 from specserve.sample.logits import SamplingTensors, processed_probs
 from specserve.sample.sampler import draw_noise, race
-from specserve.spec.tree import DraftTree
+from specserve.drafts.tree import DraftTree
 
 
 @dataclass(frozen=True, slots=True)

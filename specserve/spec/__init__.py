@@ -1,8 +1,8 @@
 """Proposers behind one interface (`propose(batch) -> DraftProposal | DraftTreeProposal`, `observe(feedback)`)."""
 
 from specserve.spec.ngram import NgramIndex, NgramProposer
-from specserve.spec.proposer import DraftProposal, DraftTreeProposal, Proposer, SpecRequest, VerifyFeedback
-from specserve.spec.tree import DraftTree
+from specserve.drafts import DraftProposal, DraftTree, DraftTreeProposal, SpecRequest, VerifyFeedback
+from specserve.spec.proposer import Proposer
 
 __all__ = [
     "DraftProposal",

@@ -8,13 +8,14 @@ from collections.abc import Sequence
 import torch
 
 from specserve.config import EngineConfig
-from specserve.engine.block_manager import BlockPool, KVCacheManager
-from specserve.engine.kv_budget import num_kv_blocks
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.kv.block_manager import BlockPool, KVCacheManager
+from specserve.kv.budget import num_kv_blocks
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
 from specserve.sample import SamplingTensors, processed_probs
-from specserve.spec.proposer import DraftProposal, Proposer, SpecRequest
+from specserve.drafts import DraftProposal, SpecRequest
+from specserve.spec.proposer import Proposer
 
 
 def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import EngineConfig
-from specserve.engine.kv_budget import num_kv_blocks
+from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
 from specserve.spec.heads import Drafter
 from specserve.spec.heads.eagle_kv import EagleKV
-from specserve.spec.proposer import DraftTreeProposal, Proposer, SpecRequest
-from specserve.spec.tree import DraftTree
+from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.spec.proposer import Proposer
+from specserve.drafts.tree import DraftTree
 
 # A catch-up of at most this many positions (a decode step's accepted path) shares a padded
 # pass with the others; a longer one (a prompt) runs alone rather than padding every row to it.

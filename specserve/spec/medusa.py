@@ -15,8 +15,9 @@ import torch
 
 from specserve.errors import InvalidParameterError
 from specserve.spec.heads import Drafter
-from specserve.spec.proposer import DraftTreeProposal, Proposer, SpecRequest
-from specserve.spec.tree import DraftTree
+from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.spec.proposer import Proposer
+from specserve.drafts.tree import DraftTree
 
 
 class MedusaProposer(Proposer):

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specserve.errors import InvalidParameterError
-from specserve.spec.proposer import DraftProposal, DraftTreeProposal, Proposer, SpecRequest
-from specserve.spec.tree import DraftTree
+from specserve.drafts import DraftProposal, DraftTreeProposal, SpecRequest
+from specserve.spec.proposer import Proposer
+from specserve.drafts.tree import DraftTree
 
 # Longer n-grams almost never recur verbatim, and each n costs one dict entry per context token.
 MAX_PROMPT_LOOKUP = 64

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.llm import LLM
-from specserve.engine.runner import ForwardBatch, ModelRunner
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.model.loader import LoadedModel
 from specserve.sampling_params import SamplingParams
 from specserve.spec.heads import TargetIdentity

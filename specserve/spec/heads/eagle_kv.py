@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.engine.block_manager import BlockPool, KVCacheManager
+from specserve.kv.block_manager import BlockPool, KVCacheManager
 from specserve.model.config import ModelConfig
 from specserve.model.paged_attention import PagedAttentionMetadata, PagedKVCache
 
