@@ -6,66 +6,8 @@ import argparse
 import sys
 import time
 
+from specserve import engine_args
 from specserve.errors import SpecserveError
-from specserve.hardware import QUANTIZATIONS
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="Hugging Face model folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="torch path dtype; an explicit dtype asks for the torch path (float32: the exact reference)")
-    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                   help="auto: a quantized GGUF runs on its own blocks with specserve's native kernels, anything else "
-                        "on the torch path; int8 / int4 (or a block format by name): quantize weights at load "
-                        "(Q8_0 / Q4_1); none: torch path")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--max-model-len", type=int, default=None, help="context tokens per request (default: min(model context, 4096))")
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=["none", "ngram", "draft_model", "eagle", "medusa"], default="none",
-                   help="drafting method")
-    p.add_argument("--draft-model", default=None,
-                   help="draft model path for draft_model; the `specserve train-draft` folder for eagle and medusa")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens drafted per step (k)")
-    p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
-    _add_tree_args(p)
-    p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"],
-                   default="rejection_sampler",
-                   help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
-                        "(output no longer exactly the target's distribution; greedy unchanged). Default: lossless")
-    p.add_argument("--posterior-threshold", type=float, default=0.09, help="typical acceptance: probability bar")
-    p.add_argument("--posterior-alpha", type=float, default=0.3, help="typical acceptance: entropy-scaled bar")
-
-
-def _add_tree_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-draft-nodes", type=int, default=None,
-                   help="eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
-                        "--num-speculative-tokens); default: eagle 8, medusa the tree it was trained with")
-    p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 2)")
-
-
-def tree_settings(args) -> dict:
-    """The draft-tree keys of speculative_config the user gave (eagle and medusa)."""
-    return {k: v for k, v in (("num_draft_nodes", args.num_draft_nodes), ("draft_topk", args.draft_topk))
-            if v is not None}
-
-
-def _spec_config(args) -> dict | None:
-    if args.speculative == "none":
-        return None
-    cfg = {"method": args.speculative, "num_speculative_tokens": args.num_speculative_tokens}
-    if args.speculative == "ngram":
-        cfg.update(prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min)
-    else:
-        cfg["model"] = args.draft_model
-    if args.speculative in ("eagle", "medusa"):
-        cfg.update(tree_settings(args))
-    if args.acceptance_method != "rejection_sampler":
-        cfg.update(acceptance_method=args.acceptance_method, posterior_threshold=args.posterior_threshold,
-                   posterior_alpha=args.posterior_alpha)
-    return cfg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt (with --chat: the user message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
-    _add_model_args(g)
+    engine_args.add_config_arg(g)
+    engine_args.add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -85,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    _add_spec_args(g)
+    engine_args.add_spec_args(g)
+    engine_args.add_engine_args(g)
     g.add_argument("--compare-plain", action="store_true",
                    help="also run plain decoding of the same request and print the speedup and whether outputs match")
 
@@ -127,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args) -> int:
+    from specserve.config import SpeculativeConfig
+    from specserve.config_file import load_config_file
     from specserve.errors import PromptError
     from specserve.llm import LLM
     from specserve.model.loader import load_model
@@ -135,18 +81,20 @@ def _generate(args) -> int:
     # Validate everything the user typed before spending seconds on loading the model.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    spec = _spec_config(args)
+    file = load_config_file(args.config)
+    spec = engine_args.speculative_config(args, file)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty; give some text")
-    from specserve.config import SpeculativeConfig
     if (sc := SpeculativeConfig.from_dict(spec)) is not None and sc.lossy:
         print("note: --acceptance-method typical_acceptance_sampler is lossy: sampled output is not exactly the "
               "target model's distribution (greedy output is unchanged)", file=sys.stderr)
 
-    print(f"Loading {args.model} ...", file=sys.stderr)
+    load = engine_args.load_kwargs(args, file)
+    print(f"Loading {load['model']} ...", file=sys.stderr)
     t = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
-    llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=1)
+    loaded = load_model(**load)
+    engine = engine_args.engine_kwargs(args, file) | {"max_num_seqs": 1}  # one request
+    llm = LLM(loaded=loaded, speculative_config=spec, **engine)
     print(f"Loaded {loaded.name} in {time.perf_counter() - t:.1f}s ({loaded.kernels})", file=sys.stderr)
     if loaded.notice:
         print(loaded.notice, file=sys.stderr)
@@ -165,7 +113,7 @@ def _generate(args) -> int:
     sys.stdout.write("\n")
     print(_figures_line(final), file=sys.stderr)
     if args.compare_plain and spec is not None:
-        plain = LLM(loaded=loaded, max_model_len=args.max_model_len, max_num_seqs=1)
+        plain = LLM(loaded=loaded, **engine)
         base = None
         for base in plain.stream(ids, params, args.prompt):
             pass

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import warnings
 from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
 from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.config_file import load_config_file, pick
 from specserve.engine.engine import LLMEngine
 from specserve.kv.budget import plan_kv_pool
 from specserve.errors import InvalidParameterError, PromptError
@@ -22,6 +24,10 @@ from specserve.spec.factory import build_proposer
 # Without a limit, the KV cache is sized for the model's whole context; on a CPU a few
 # thousand tokens per request is what a user can wait for anyway.
 DEFAULT_MAX_MODEL_LEN = 4096
+DEFAULT_MAX_NUM_SEQS = 4
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# speculative_config left out: the config file's, if any (None, given, means no speculation).
+_FROM_CONFIG = object()
 
 
 class LLM:
@@ -29,17 +35,28 @@ class LLM:
 
     >>> llm = LLM("default", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))
+
+    `config`: a JSON file of settings as `specserve tune` writes it (`--config` on the command
+    line): model, speculative_config, max_num_seqs, max_num_batched_tokens. Those of these
+    arguments that are given win over it; the file wins over their defaults ("default", no
+    speculation, 4, 2048).
     """
 
-    def __init__(self, model: str | None = "default", *, dtype: str = "auto", device: str | None = "cpu",
-                 quantization: str = "auto",
-                 speculative_config: dict | SpeculativeConfig | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 4, seed: int = 0, loaded: LoadedModel | None = None,
+    def __init__(self, model: str | None = None, *, config: str | os.PathLike | None = None, dtype: str = "auto",
+                 device: str | None = "cpu", quantization: str = "auto",
+                 speculative_config: dict | SpeculativeConfig | None = _FROM_CONFIG, max_model_len: int | None = None,
+                 max_num_seqs: int | None = None, seed: int = 0, loaded: LoadedModel | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | float | None = None,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True):
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True):
+        file = load_config_file(config)
+        if speculative_config is _FROM_CONFIG:
+            speculative_config = file.get("speculative_config")
         self.spec_config = SpeculativeConfig.from_dict(speculative_config)
+        max_num_seqs = pick(max_num_seqs, file, "max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        max_num_batched_tokens = pick(max_num_batched_tokens, file, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if loaded is None:
-            loaded = load_model(model, dtype=dtype, device=device, quantization=quantization)
+            loaded = load_model(pick(model, file, "model", "default"), dtype=dtype, device=device,
+                                quantization=quantization)
             if loaded.notice:  # (the command line prints it on its load line)
                 warnings.warn(loaded.notice, stacklevel=2)
         self.target = loaded

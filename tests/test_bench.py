@@ -28,9 +28,11 @@ THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category", "prefill_tokens_per_s"}) | {
 
 
 def bench(argv: list[str]) -> int:
+    """`specserve bench ARGV` at a fixed k unless ARGV names one: these figures are the same
+    whichever k the engine would choose with 'auto' (the default)."""
     parser = argparse.ArgumentParser(prog="specserve")
     add_bench_parser(parser.add_subparsers(dest="command"))
-    return run_bench(parser.parse_args(["bench", *argv]))
+    return run_bench(parser.parse_args(["bench", "--num-speculative-tokens", "4", *argv]))
 
 
 # ---- workloads ----------------------------------------------------------------------------------

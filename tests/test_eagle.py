@@ -128,15 +128,16 @@ def test_drafter_for_another_target_or_no_folder_is_refused(tiny, one_layer, tmp
 
 def test_command_lines_name_the_drafter_and_its_tree():
     from specserve.bench.cli import parse_methods, speculative_configs
-    from specserve.cli import _spec_config, build_parser
+    from specserve.cli import build_parser
+    from specserve.engine_args import speculative_config
 
     args = build_parser().parse_args(["generate", "hi", "--speculative", "eagle", "--draft-model", "d",
                                       "--num-speculative-tokens", "5", "--num-draft-nodes", "10", "--draft-topk", "3"])
-    assert _spec_config(args) == {"method": "eagle", "num_speculative_tokens": 5, "model": "d", "num_draft_nodes": 10,
-                                  "draft_topk": 3}
+    assert speculative_config(args, {}) == {"method": "eagle", "num_speculative_tokens": 5, "model": "d",
+                                            "num_draft_nodes": 10, "draft_topk": 3}
     args = build_parser().parse_args(["generate", "hi", "--speculative", "medusa", "--draft-model", "m"])
-    assert _spec_config(args) == {"method": "medusa", "num_speculative_tokens": 4, "model": "m"}
-    configs = speculative_configs(parse_methods("none,ngram,eagle:.,medusa:."), [3], 1, 4, {"num_draft_nodes": 8})
+    assert speculative_config(args, {}) == {"method": "medusa", "num_speculative_tokens": "auto", "model": "m"}
+    configs = speculative_configs(parse_methods("none,ngram,eagle:.,medusa:."), [3], {"num_draft_nodes": 8})
     assert [(c.method, s.get("num_draft_nodes")) for c, s in configs] == [("ngram", None), ("eagle", 8), ("medusa", 8)]
 
 

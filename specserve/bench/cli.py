@@ -1,7 +1,7 @@
 """`specserve bench`: plain decoding, each speculative method and the peers on the same prompts,
 in one run, with one line of figures per configuration.
 
-Only argparse work happens at import: torch, the engine and the peers load when a bench runs.
+The models, the engine and the peers load only when a bench runs.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import os
 import platform
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
+from specserve import engine_args
 from specserve.bench.runner import Config
 from specserve.errors import InvalidParameterError
 
@@ -23,8 +24,6 @@ MAX_CONCURRENCY = 4096  # the engine's limit on max_num_seqs
 
 
 def add_bench_parser(sub) -> None:
-    from specserve.cli import _add_model_args, _add_tree_args
-
     b = sub.add_parser("bench", help="measure plain decoding, speculative methods and peers side by side",
                        description="Plain decoding always runs: it is the baseline of speedup and identity.")
     b.add_argument("--workload", default="spec_bench", help="'spec_bench' (480 prompts, 13 categories) or a JSONL file")
@@ -33,11 +32,12 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     b.add_argument("--categories", default=None, help="comma list of categories")
     b.add_argument("--methods", default="none,ngram",
-                   help="comma list of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR (DIR: a train-draft folder)")
-    b.add_argument("--num-speculative-tokens", default="4", help="k, or a comma list to sweep (e.g. 2,4,6)")
-    _add_tree_args(b)
-    b.add_argument("--prompt-lookup-max", type=int, default=4)
-    b.add_argument("--prompt-lookup-min", type=int, default=1)
+                   help="comma list of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR (DIR: a train-draft folder); "
+                        "a --config file's speculative_config runs as one more, named config")
+    b.add_argument("--num-speculative-tokens", default="auto",
+                   help="k or auto (the engine chooses k each step; the default), or a comma list to sweep (e.g. auto,2,4,8)")
+    engine_args.add_tree_args(b)
+    engine_args.add_lookup_args(b)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--max-tokens", type=int, default=128)
@@ -48,7 +48,9 @@ def add_bench_parser(sub) -> None:
                    help="throughput mode: keep N requests in flight in one engine, or a comma list to sweep "
                         "(e.g. 1,4,16,64); without it, one request at a time (latency mode)")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
-    _add_model_args(b)
+    engine_args.add_config_arg(b)
+    engine_args.add_model_args(b)
+    engine_args.add_engine_args(b)
 
 
 def parse_methods(text: str) -> list[tuple[str, str | None]]:
@@ -70,11 +72,12 @@ def parse_methods(text: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def parse_ks(text: str) -> list[int]:
+def parse_ks(text: str) -> list[int | str]:
     try:
-        ks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InvalidParameterError("num_speculative_tokens", text, "must be an integer or a comma list of integers") from None
+        ks = [engine_args.speculative_tokens(x) for x in text.split(",") if x.strip()]
+    except InvalidParameterError:
+        raise InvalidParameterError("num_speculative_tokens", text, "must be an integer or 'auto', or a comma list "
+                                    "of them (e.g. auto,2,4,8)") from None
     if not ks:
         raise InvalidParameterError("num_speculative_tokens", text, "must name at least one k")
     return list(dict.fromkeys(ks))
@@ -102,10 +105,11 @@ def parse_concurrency(text: str | None) -> list[int] | None:
     return list(dict.fromkeys(values))
 
 
-def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lookup_min: int,
-                        lookup_max: int, tree: dict | None = None) -> list[tuple[Config, dict]]:
-    """The speculative configurations (plain decoding is not one of them: it always runs).
-    `tree`: draft-tree settings for eagle and medusa (num_draft_nodes, draft_topk)."""
+def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int | str], flags: dict,
+                        config: dict | None = None) -> list[tuple[Config, dict]]:
+    """The speculative configurations (plain decoding is not one of them: it always runs): each
+    method at each k, with the lookup and draft-tree settings given in `flags` where the method
+    takes them; then a --config file's speculative_config as it is, named "config"."""
     from specserve.config import SpeculativeConfig
     from specserve.model.loader import resolve_model_path
 
@@ -114,15 +118,13 @@ def speculative_configs(methods: list[tuple[str, str | None]], ks: list[int], lo
         if path is not None:
             resolve_model_path(path)  # a missing draft is reported before the target loads
         for k in ([] if name == "none" else ks):
-            if name == "ngram":
-                spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup_max,
-                        "prompt_lookup_min": lookup_min}
-            else:
-                spec = {"method": name, "model": path, "num_speculative_tokens": k}
-                if name in ("eagle", "medusa"):
-                    spec.update(tree or {})
-            SpeculativeConfig.from_dict(spec)  # refuse bad settings before loading anything
+            spec = engine_args.merge_speculative(flags | {"method": name, "model": path, "num_speculative_tokens": k}, None)
             out.append((Config(name, k, path), spec))
+    if config is not None:
+        spec = engine_args.merge_speculative({}, config)
+        out.append((Config("config", spec["num_speculative_tokens"], spec.get("model")), spec))
+    for _, spec in out:
+        SpeculativeConfig.from_dict(spec)  # refuse bad settings before loading anything
     return out
 
 
@@ -150,7 +152,8 @@ def run_bench(args) -> int:
     from specserve.bench.peers import PeerPlan, build_peers
     from specserve.bench.runner import SpecserveRunner, measure, report
     from specserve.bench.workload import Selection, load_workload, select
-    from specserve.cli import tree_settings
+    from specserve.config import SpeculativeConfig
+    from specserve.config_file import load_config_file
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.sampling_params import SamplingParams
@@ -158,7 +161,11 @@ def run_bench(args) -> int:
     # Everything the user typed is checked before seconds go into loading models.
     methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
     concurrency = parse_concurrency(args.concurrency)
-    spec_configs = speculative_configs(methods, ks, args.prompt_lookup_min, args.prompt_lookup_max, tree_settings(args))
+    file = load_config_file(args.config)
+    flags = engine_args.given(args, engine_args.LOOKUP_KEYS + engine_args.TREE_KEYS)
+    spec_configs = speculative_configs(methods, ks, flags, file.get("speculative_config"))
+    defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
+    lookup = {k: flags.get(k, defaults[k]) for k in engine_args.LOOKUP_KEYS}
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     selection = Selection.from_text(args.categories, args.per_category, args.limit)
     prompts = select(load_workload(args.workload, args.field), selection)
@@ -170,9 +177,13 @@ def run_bench(args) -> int:
         torch.set_num_threads(args.threads)
     if concurrency is not None and peers:
         print(f"note: peers ({', '.join(peers)}) run in latency mode only; skipped with --concurrency", file=sys.stderr)
+    elif peers and engine_args.AUTO in ks:
+        print("note: peers draft a fixed k: their speculative lines run at the integer values of "
+              "--num-speculative-tokens only", file=sys.stderr)
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
-    baseline = SpecserveRunner(Config("none"), LLM(loaded=loaded, max_model_len=args.max_model_len, max_num_seqs=1))
+    loaded = load_model(**engine_args.load_kwargs(args, file))
+    engine = engine_args.engine_kwargs(args, file) | {"max_num_seqs": 1}  # latency mode: one request at a time
+    baseline = SpecserveRunner(Config("none"), LLM(loaded=loaded, **engine))
     max_len = baseline.llm.engine_config.max_model_len
     # Only prompts with room for max_tokens in the context, so that no configuration stops early
     # for lack of room where another would not.
@@ -187,8 +198,11 @@ def run_bench(args) -> int:
                 "categories": {c: categories.count(c) for c in dict.fromkeys(categories)},
                 "prompt_tokens": sum(len(ids) for _, ids in fitting)}
     settings = {"dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "seed": args.seed, "max_model_len": max_len, "prompt_lookup_max": args.prompt_lookup_max,
-                "prompt_lookup_min": args.prompt_lookup_min, **tree_settings(args)}
+                "seed": args.seed, "max_model_len": max_len, **lookup, **engine_args.given(args, engine_args.TREE_KEYS)}
+    if "max_num_batched_tokens" in engine:
+        settings["max_num_batched_tokens"] = engine["max_num_batched_tokens"]
+    if args.config:
+        settings["config"] = args.config
     if concurrency is not None:
         settings["concurrency"] = concurrency
 
@@ -201,13 +215,15 @@ def run_bench(args) -> int:
         t0 = time.perf_counter()
         results = _run_throughput(loaded, [Config("none")] + [c for c, _ in spec_configs], dict(spec_configs),
                                   prompt_ids, concurrency, params_for, warmup, args.temperature,
-                                  min(max_len, max(map(len, prompt_ids)) + args.max_tokens))
+                                  min(max_len, max(map(len, prompt_ids)) + args.max_tokens),
+                                  engine.get("max_num_batched_tokens"))
         _print_throughput_table(results, time.perf_counter() - t0)
     else:
-        runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, max_model_len=max_len,
-                                                       max_num_seqs=1)) for c, s in spec_configs]
-        runners += build_peers(peers, loaded, PeerPlan(ks, args.prompt_lookup_max, [p for n, p in methods if n == "draft_model"], max_len),
-                               log=lambda msg: print(msg, file=sys.stderr))
+        runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, **engine))
+                                for c, s in spec_configs]
+        plan = PeerPlan([k for k in ks if k != engine_args.AUTO], lookup["prompt_lookup_max"],
+                        [p for n, p in methods if n == "draft_model"], max_len)
+        runners += build_peers(peers, loaded, plan, log=lambda msg: print(msg, file=sys.stderr))
         _print_header(loaded.name, machine, workload, settings)
         t0 = time.perf_counter()
         with tqdm(total=len(fitting) * len(runners), desc="bench", unit="run", file=sys.stderr) as bar:
@@ -224,7 +240,8 @@ def run_bench(args) -> int:
 
 
 def _run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[list[int]], concurrency: list[int],
-                    params_for, warmup, temperature: float, model_len: int) -> list:
+                    params_for, warmup, temperature: float, model_len: int,
+                    max_num_batched_tokens: int | None) -> list:
     """Every configuration at every concurrency, each on its own engine with room for c requests.
 
     `model_len` is the longest request's context, not the model's: the KV pools (the target's
@@ -241,7 +258,8 @@ def _run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[li
 
     def build_engine(config: Config, c: int):
         llm = LLM(loaded=loaded, speculative_config=specs.get(config), max_model_len=model_len, max_num_seqs=c,
-                  block_size=block_size, num_kv_blocks=per_request * min(c, len(prompts)))
+                  block_size=block_size, num_kv_blocks=per_request * min(c, len(prompts)),
+                  max_num_batched_tokens=max_num_batched_tokens)
         return llm.engine
 
     with tqdm(total=len(prompts) * len(configs) * len(concurrency), desc="bench", unit="req", file=sys.stderr) as bar:
@@ -260,7 +278,8 @@ def _print_header(model: str, machine: dict, workload: dict, settings: dict) -> 
     print(f"workload: {workload['name']}, {workload['num_prompts']} prompts{skipped}: {cats}")
     print(f"model: {model} ({settings['dtype']}) | max_tokens {settings['max_tokens']} | "
           f"temperature {settings['temperature']} | top_p {settings['top_p']} | seed {settings['seed']}"
-          + (f" | concurrency {','.join(map(str, settings['concurrency']))}" if "concurrency" in settings else ""))
+          + (f" | concurrency {','.join(map(str, settings['concurrency']))}" if "concurrency" in settings else "")
+          + (f" | config {settings['config']}" if "config" in settings else ""))
 
 
 def _fmt(x, spec: str = "{:.2f}", suffix: str = "") -> str:

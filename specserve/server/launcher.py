@@ -14,28 +14,24 @@ import signal
 import socket
 import time
 
+from specserve import engine_args
 from specserve.errors import InvalidParameterError
 
 
 def add_serve_parser(sub) -> None:
-    from specserve.cli import _add_model_args, _add_spec_args
-
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                        description="POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics")
-    _add_model_args(s)
-    _add_spec_args(s)
+    engine_args.add_config_arg(s)
+    engine_args.add_model_args(s)
+    engine_args.add_spec_args(s)
+    engine_args.add_engine_args(s, serving=True)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     s.add_argument("--served-model-name", action="append", default=None,
                    help="name clients use in 'model' (repeatable; default: the model's own name)")
-    s.add_argument("--max-num-seqs", type=int, default=16, help="requests running together")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="waiting requests beyond the running batch; more get 503 with Retry-After (0: none wait)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens computed per engine step")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
-    s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
     s.add_argument("--body-timeout", type=float, default=10.0,
                    help="seconds a request body may take to arrive; slower ones get 408 and the connection closes")
@@ -45,8 +41,8 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(args) -> int:
-    from specserve.cli import _spec_config
     from specserve.config import SpeculativeConfig
+    from specserve.config_file import load_config_file
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.server.serving import ServerConfig
@@ -55,7 +51,8 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specserve.server")
     # Everything the user typed is checked before seconds go into loading the model.
-    spec = _spec_config(args)
+    file = load_config_file(args.config)
+    spec = engine_args.speculative_config(args, file)
     if (sc := SpeculativeConfig.from_dict(spec)) is not None and sc.lossy:
         log.warning("typical acceptance is on: sampled responses are NOT exactly the target model's distribution "
                     "(lossy; greedy responses are unchanged)")
@@ -72,10 +69,8 @@ def run_serve(args) -> int:
     sock = _bind(args.host, args.port)
 
     t = time.perf_counter()
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization)
-    llm = LLM(loaded=loaded, speculative_config=spec, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching)
+    loaded = load_model(**engine_args.load_kwargs(args, file))
+    llm = LLM(loaded=loaded, speculative_config=spec, **engine_args.engine_kwargs(args, file))
     names = tuple(args.served_model_name or [loaded.name])
     config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
                           api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,

@@ -1,0 +1,159 @@
+"""The engine's command-line arguments, shared by `generate`, `bench` and `serve`, and the one way
+each of them (and `LLM(config=...)`) turns what it was given into the settings the engine is
+built from.
+
+Precedence, key by key: a value given on the command line, then the --config file's
+(config_file.py), then the default. The arguments a file can set therefore default to None
+here, and the functions below resolve them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from specserve.config_file import pick
+from specserve.errors import InvalidParameterError
+from specserve.hardware import QUANTIZATIONS
+
+AUTO = "auto"  # num_speculative_tokens: the engine chooses k each step by its cost model, up to a cap
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
+LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
+TREE_KEYS = ("num_draft_nodes", "draft_topk")
+TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
+# The speculative_config keys each method's command-line flags set (besides method,
+# num_speculative_tokens and the acceptance keys, which every method takes).
+_METHOD_KEYS = {"ngram": LOOKUP_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
+                "medusa": ("model", *TREE_KEYS)}
+# The engine arguments a command may have, as LLM's keyword arguments.
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching")
+SERVE_MAX_NUM_SEQS = 16  # a server's default batch (LLM's own default is smaller: one user's prompts)
+
+
+# ---- arguments -------------------------------------------------------------------------------
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="JSON settings, as `specserve tune` writes them: model, speculative_config, max_num_seqs, "
+                        "max_num_batched_tokens (every key optional); options given on the command line win over it")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="Hugging Face model folder, .gguf file, or 'default' (embedded SmolLM2-135M-Instruct; the default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="torch path dtype; an explicit dtype asks for the torch path (float32: the exact reference)")
+    p.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="auto: a quantized GGUF runs on its own blocks with specserve's native kernels, anything else "
+                        "on the torch path; int8 / int4 (or a block format by name): quantize weights at load "
+                        "(Q8_0 / Q4_1); none: torch path")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="context tokens per request (default: min(model context, 4096))")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """generate's and serve's speculation: one method (bench sweeps several with --methods)."""
+    p.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None, help="drafting method (default none)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model path for draft_model; the `specserve train-draft` folder for eagle and medusa")
+    p.add_argument("--num-speculative-tokens", type=_speculative_tokens_arg, default=None,
+                   help="tokens drafted per step (k), or 'auto' (the default): the engine chooses k each step, up to a cap")
+    add_lookup_args(p)
+    add_tree_args(p)
+    p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"], default=None,
+                   help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
+                        "(output no longer exactly the target's distribution; greedy unchanged). "
+                        "Default: rejection_sampler, lossless")
+    p.add_argument("--posterior-threshold", type=float, default=None, help="typical acceptance: probability bar (0.09)")
+    p.add_argument("--posterior-alpha", type=float, default=None, help="typical acceptance: entropy-scaled bar (0.3)")
+
+
+def add_lookup_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram looked up (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram looked up (default 1)")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-draft-nodes", type=int, default=None,
+                   help="eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
+                        "--num-speculative-tokens); default: eagle 8, medusa the tree it was trained with")
+    p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 2)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The engine's sizes: every command has the token budget of a step; a server also sets its
+    batch and KV pool (generate runs one request, bench sets its own)."""
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens computed per engine step (default 2048)")
+    if not serving:
+        return
+    p.add_argument("--max-num-seqs", type=int, default=None, help=f"requests running together (default {SERVE_MAX_NUM_SEQS})")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+
+
+def speculative_tokens(text: str) -> int | str:
+    """One value of --num-speculative-tokens: an integer, or 'auto'."""
+    text = text.strip()
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise InvalidParameterError("num_speculative_tokens", text, "must be an integer (tokens drafted per step) or "
+                                    "'auto' (the engine chooses k each step)") from None
+
+
+def _speculative_tokens_arg(text: str) -> int | str:
+    try:
+        return speculative_tokens(text)
+    except InvalidParameterError as e:  # argparse reports ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# ---- parsed arguments -> what the engine is built from ------------------------------------------
+
+def load_kwargs(args: argparse.Namespace, file: dict) -> dict:
+    """load_model's keyword arguments."""
+    return {"model": pick(args.model, file, "model", "default"), "dtype": args.dtype, "device": args.device,
+            "quantization": args.quantization}
+
+
+def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
+    """The arguments among `keys` given on the command line (they default to None)."""
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def speculative_config(args: argparse.Namespace, file: dict) -> dict | None:
+    """generate's and serve's speculative_config (None: no speculation)."""
+    flags = {"method": args.speculative, "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    flags = {k: v for k, v in flags.items() if v is not None} | given(args, LOOKUP_KEYS + TREE_KEYS + TYPICAL_KEYS)
+    return merge_speculative(flags, file.get("speculative_config"))
+
+
+def merge_speculative(flags: dict, base: dict | None) -> dict | None:
+    """The speculative_config keys given on the command line (`flags`) over a config file's
+    (`base`), key by key while both name the same method; a different method replaces the
+    file's whole config, whose other keys were chosen for its own method. Flags another method
+    uses are left out (--draft-model with ngram)."""
+    method = flags.get("method", (base or {}).get("method", "none"))
+    if method == "none":
+        return None
+    cfg = dict(base) if base is not None and base.get("method") == method else {"method": method}
+    keys = ("num_speculative_tokens", *TYPICAL_KEYS, *_METHOD_KEYS[method])
+    cfg.update({k: v for k, v in flags.items() if k in keys})
+    cfg.setdefault("num_speculative_tokens", AUTO)
+    return cfg
+
+
+def engine_kwargs(args: argparse.Namespace, file: dict) -> dict:
+    """LLM's keyword arguments for the engine: max_model_len, and each engine argument this
+    command has, given on the command line, else the config file's, else the default (LLM's own
+    where none is set here). The file's max_num_seqs counts only where the command has
+    --max-num-seqs."""
+    kwargs = {"max_model_len": args.max_model_len}
+    defaults = {"max_num_seqs": SERVE_MAX_NUM_SEQS}
+    for key in ENGINE_KEYS:
+        if key in vars(args) and (value := pick(getattr(args, key), file, key, defaults.get(key))) is not None:
+            kwargs[key] = value
+    return kwargs
