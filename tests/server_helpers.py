@@ -60,10 +60,12 @@ class RunningServer:
         return sum(v for n, have, v in self.samples() if n == name and all(have.get(k) == x for k, x in labels.items()))
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """Metrics once the engine holds no request (aborts land at the next step boundary)."""
+        """Metrics once the engine holds no request (aborts land at the next step boundary) and
+        the server has counted the end of every request it submitted."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m.get("specserve_num_requests_in_engine", 1) == 0 or time.monotonic() > deadline:
+            idle = m.get("specserve_num_requests_in_engine", 1) == 0 and m.get("specserve_num_requests_open", 1) == 0
+            if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)

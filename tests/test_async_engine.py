@@ -44,8 +44,6 @@ def test_streamed_outputs_equal_offline(engine, tiny):
 
 def test_leaving_early_aborts_and_frees_blocks(engine):
     llm, eng = engine
-    finished = []
-    eng.on_finish = finished.append
 
     async def run():
         async for out in eng.generate("early", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True)):
@@ -54,9 +52,29 @@ def test_leaving_early_aborts_and_frees_blocks(engine):
             await asyncio.sleep(0.01)
 
     asyncio.run(run())
-    assert [o.outputs[0].finish_reason for o in finished] == ["abort"]
     pool = llm.engine.scheduler.pool
     assert pool.num_available_blocks == pool.num_blocks and not llm.engine.requests
+
+
+def test_an_aborted_stream_ends_with_its_last_output(engine):
+    """abort(), then reading on: the stream's last output says "abort" and carries the tokens
+    generated until then (what a server counts the request by)."""
+    llm, eng = engine
+
+    async def run():
+        add = eng.submit("aborted", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
+        outs = []
+        async for out in eng.stream(add):
+            outs.append(out)
+            if len(outs) == 1:
+                eng.abort("aborted")
+        return outs
+
+    outs = asyncio.run(run())
+    last = outs[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort" and not any(o.finished for o in outs[:-1])
+    assert 1 <= len(last.outputs[0].token_ids) < 100 and last.metrics.num_generated_tokens == len(last.outputs[0].token_ids)
+    assert not llm.engine.requests
 
 
 def test_refusal_surfaces_in_the_caller(engine):

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from specserve.engine.engine import LLMEngine
@@ -78,17 +78,15 @@ class AsyncEngine:
     """`async for out in engine.generate(...)`: outputs of one request as the engine steps.
 
     Leaving the loop early (a client went away, a task was cancelled) aborts the request, so its
-    KV blocks return to the pool. `on_finish` is called on the engine thread with the last output
-    of every request (finished, stopped or aborted), for logs and metrics.
+    KV blocks return to the pool. A caller that wants the request's last output (to count it)
+    calls `abort` instead and reads the stream on: it ends with finish_reason "abort".
     """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 on_finish: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
         if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0):
             raise ValueError(f"max_waiting={max_waiting!r} must be an integer >= 0 or None")
         self.engine = engine
         self.max_waiting = max_waiting
-        self.on_finish = on_finish
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # guards _pending, the adds sent but not yet taken
@@ -267,11 +265,6 @@ class AsyncEngine:
         if out.finished:
             del self._streams[out.request_id]
             self.engine.pop_finished(out.request_id)
-            if self.on_finish is not None:
-                try:
-                    self.on_finish(out)
-                except Exception:  # figures must never take the engine down
-                    logger.exception("on_finish failed for request %s", out.request_id)
         self._put(add, out)
 
     def _abort_all(self) -> None:

@@ -104,8 +104,7 @@ def build_app_for(llm, config, max_waiting: int | None):
 
     engine = AsyncEngine(llm.engine, max_waiting=max_waiting)
     metrics = ServerMetrics(engine, config.served_model_names[0])
-    engine.on_finish = metrics.on_finish
-    return build_app(OpenAIServing(engine, llm.tokenizer, config), metrics), engine
+    return build_app(OpenAIServing(engine, llm.tokenizer, config, metrics), metrics), engine
 
 
 def _bind(host: str, port: int) -> socket.socket:

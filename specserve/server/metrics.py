@@ -1,13 +1,12 @@
 """Prometheus figures of the server (prometheus-client, one registry per app).
 
-Counters and histograms are updated once per finished engine request (on the engine thread;
-prometheus-client is thread-safe). Gauges read the engine's last published snapshot at scrape
-time, so a scrape never waits for a step or reads the scheduler while it changes.
+Counters and histograms are updated once per engine request, by the serving layer when it sees
+the request's last output (serving.py), on the event loop. Gauges read the engine's last
+published snapshot at scrape time, so a scrape never waits for a step or reads the scheduler
+while it changes.
 """
 
 from __future__ import annotations
-
-import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -39,9 +38,9 @@ class ServerMetrics:
                               ["model_name"], buckets=_TPOT_BUCKETS, registry=r).labels(**label)
         self.e2e = Histogram("specserve_e2e_request_latency_seconds", "Arrival to the last token",
                              ["model_name"], buckets=_E2E_BUCKETS, registry=r).labels(**label)
-        self._lock = threading.Lock()
         self._spec = SpecStats()  # running totals for the two ratio gauges
         self._model_name = model_name
+        self._open = 0  # engine requests submitted whose last output the server has not yet seen
         self._gauges(engine, label)
 
     def _gauges(self, engine: AsyncEngine, label: dict) -> None:
@@ -62,16 +61,26 @@ class ServerMetrics:
               lambda: snap().prefix_cache_hit_blocks / max(snap().prefix_cache_queried_blocks, 1))
         gauge("specserve_num_preemptions", "Requests preempted (recomputed) so far", lambda: snap().num_preemptions)
         gauge("specserve_spec_acceptance_rate", "Accepted / drafted tokens, all requests so far",
-              lambda: self._read_spec().acceptance_rate)
+              lambda: self._spec.acceptance_rate)
         gauge("specserve_spec_mean_accepted_length", "Tokens emitted per target pass (1.0 without speculation)",
-              lambda: self._read_spec().mean_accepted_length)
+              lambda: self._spec.mean_accepted_length)
+        gauge("specserve_num_requests_open", "Engine requests submitted whose end the server has not yet counted",
+              lambda: self._open)
 
-    def _read_spec(self) -> SpecStats:
-        with self._lock:
-            return SpecStats.total([self._spec])
+    # Every engine request the server submits is counted once: `submitted`, then either `ended`
+    # with its last output or `failed` when its stream raised instead.
 
-    def on_finish(self, out: RequestOutput) -> None:
-        """The last output of an engine request (called on the engine thread)."""
+    def submitted(self) -> None:
+        self._open += 1
+
+    def failed(self) -> None:
+        """A request the engine refused after it was submitted, or dropped when it stopped."""
+        self._open -= 1
+        self.requests.labels(model_name=self._model_name, finish_reason="error").inc()
+
+    def ended(self, out: RequestOutput) -> None:
+        """The last output of an engine request (finished, stopped, aborted or failed alone)."""
+        self._open -= 1
         m, s = out.metrics, out.spec
         self.requests.labels(model_name=self._model_name, finish_reason=out.outputs[0].finish_reason or "abort").inc()
         self.prompt_tokens.inc(m.num_prompt_tokens)
@@ -79,8 +88,7 @@ class ServerMetrics:
         self.drafted.inc(s.num_drafted)
         self.accepted.inc(s.num_accepted)
         self.passes.inc(s.num_target_passes)
-        with self._lock:
-            self._spec.merge(s)
+        self._spec.merge(s)
         if m.time_to_first_token is not None:
             self.ttft.observe(m.time_to_first_token)
         if m.finished_time is not None:

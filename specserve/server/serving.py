@@ -2,9 +2,11 @@
 SamplingParams, engine outputs to response bodies and server-sent events.
 
 Each choice of a request (n choices per prompt) is its own engine request; all of them are
-submitted before any output is awaited, so they share engine steps. A watcher task listens for
-the client going away: its engine requests are then aborted and their KV blocks return to the
-pool at the next step boundary.
+submitted before any output is awaited, so they share engine steps. Each has a follower task
+that reads its engine stream to the end, whatever becomes of the HTTP side, hands the outputs to
+the handler and counts the request in the metrics once, from its last output. A watcher task
+listens for the client going away: its engine requests are then aborted, their KV blocks return
+to the pool at the next step boundary, and their followers see the aborted last outputs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from specserve.outputs import RequestOutput, SpecStats
 from specserve.sampling_params import SamplingParams
 from specserve.server import render
 from specserve.server.errors import APIError, error_body
+from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.tokenizer import Tokenizer
 
@@ -51,6 +54,7 @@ class Choice:
     index: int
     prompt_index: int
     handle: object  # the AsyncEngine submission
+    follower: asyncio.Task | None = None  # reads the engine stream to its end (OpenAIServing._follow)
     # The latest output of this choice: its final one once finished; while streaming, the last
     # one whose chunk went out.
     last: RequestOutput | None = None
@@ -81,16 +85,21 @@ class Job:
     prompts: list[tuple[list[int], str | None]]
     chunk_object: str  # the "object" of its stream chunks
     choices: list[Choice] = field(default_factory=list)
+    # (choice, its next output or the exception that ended its stream), from the followers;
+    # None once the client has gone away.
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     started: float = field(default_factory=time.perf_counter)
     created: int = field(default_factory=lambda: int(time.time()))  # the same in every chunk
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig):
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, config: ServerConfig, metrics: ServerMetrics):
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
+        self.metrics = metrics
         self.render = render.Renderer(tokenizer)
+        self._followers: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
 
     # ---- endpoints -----------------------------------------------------------------------------
 
@@ -220,41 +229,71 @@ class OpenAIServing:
                     handle = self.engine.submit(f"{job.request_id}-{index}", ids, params(p, j), text,
                                                 use_speculation=req.speculative,
                                                 num_speculative_tokens=req.num_speculative_tokens)
-                    job.choices.append(Choice(index, p, handle))
+                    job.choices.append(self._follow(job, Choice(index, p, handle)))
         except BaseException as e:
-            for c in job.choices:
-                self.engine.abort(c.handle.request_id)
+            self._abort_unfinished(job)
             if isinstance(e, QueueFullError):
                 raise APIError(503, str(e), code="queue_full", headers={"Retry-After": "1"}) from e
             if isinstance(e, EngineStoppedError):
                 raise APIError(503, str(e), code="unavailable") from e
             raise
 
+    def _follow(self, job: Job, c: Choice) -> Choice:
+        """Start c's follower: every output of its engine stream goes to `job.outputs`, and the
+        request is counted in the metrics once, when its stream ends."""
+        async def follow() -> None:
+            last = None
+            try:
+                async for last in self.engine.stream(c.handle):
+                    job.outputs.put_nowait((c, last))
+            except Exception as e:  # refused after submission, or the engine stopped
+                self.metrics.failed()
+                job.outputs.put_nowait((c, e))
+                return
+            self.metrics.ended(last)
+
+        self.metrics.submitted()
+        c.follower = asyncio.create_task(follow())
+        self._followers.add(c.follower)
+        c.follower.add_done_callback(self._followers.discard)
+        return c
+
+    def _abort_unfinished(self, job: Job) -> None:
+        """Abort the choices whose streams have not ended (the client went away, a sibling
+        failed, or the handler stops early); their followers read on to the aborted ends."""
+        for c in job.choices:
+            if not c.follower.done():
+                self.engine.abort(c.handle.request_id)
+
+    def _watch(self, job: Job, raw: Request) -> asyncio.Task:
+        """A task that puts None into the job's outputs once the client has gone away."""
+        watcher = asyncio.create_task(_wait_disconnect(raw))
+        watcher.add_done_callback(lambda _: job.outputs.put_nowait(None))
+        return watcher
+
     # ---- engine -> response --------------------------------------------------------------------
 
     async def _collect(self, job: Job, raw: Request) -> None:
-        async def last(c: Choice) -> None:
-            async for out in self.engine.stream(c.handle):
-                c.last = out
-
-        tasks = [asyncio.create_task(last(c)) for c in job.choices]
-        everything = asyncio.gather(*tasks)
-        watcher = asyncio.create_task(_wait_disconnect(raw))
+        watcher = self._watch(job, raw)
         try:
-            await asyncio.wait({everything, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not everything.done():
-                raise APIError(499, "the client closed the connection")
-            everything.result()
+            remaining = len(job.choices)
+            while remaining:
+                item = await job.outputs.get()
+                if item is None:
+                    raise APIError(499, "the client closed the connection")
+                c, out = item
+                if isinstance(out, SpecserveError):
+                    raise APIError(400, str(out)) from out
+                if isinstance(out, Exception):
+                    raise out
+                c.last = out
+                remaining -= out.finished
             failure = next((c.failure for c in job.choices if c.failure), None)
             if failure:
                 raise APIError(500, failure, code="internal_error")
-        except SpecserveError as e:
-            raise APIError(400, str(e)) from e
         finally:
             watcher.cancel()
-            for t in tasks:
-                t.cancel()  # a choice still running (client gone, or a sibling failed) is aborted
-            await asyncio.gather(everything, return_exceptions=True)
+            self._abort_unfinished(job)
             self._log(job)
 
     def _stream(self, job: Job, raw: Request, chunk: Callable[[Choice, RequestOutput, bool], dict],
@@ -264,22 +303,11 @@ class OpenAIServing:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self, job: Job, raw: Request, chunk, include_usage: bool) -> AsyncIterator[str]:
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(c: Choice) -> None:
-            try:
-                async for out in self.engine.stream(c.handle):
-                    merged.put_nowait((c, out))
-            except Exception as e:
-                merged.put_nowait((c, e))
-
-        tasks = [asyncio.create_task(pump(c)) for c in job.choices]
-        watcher = asyncio.create_task(_wait_disconnect(raw))
-        watcher.add_done_callback(lambda _: merged.put_nowait(None))
+        watcher = self._watch(job, raw)
         try:
             remaining = len(job.choices)
             while remaining:
-                item = await merged.get()
+                item = await job.outputs.get()
                 if item is None:
                     return  # the client is gone: the finally aborts what still runs
                 c, out = item
@@ -303,8 +331,7 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            for t in tasks:
-                t.cancel()
+            self._abort_unfinished(job)
             self._log(job)
 
     def _log(self, job: Job) -> None:

@@ -1,0 +1,134 @@
+"""The server counts every engine request it submitted exactly once, from the serving layer, by
+the way it ended: run to the end (streamed or not, n choices), failed alone, aborted because its
+client went away, or aborted at shutdown; a request refused before submission is no engine
+request and is not counted."""
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from specserve.llm import LLM
+from tests.server_helpers import RunningServer
+
+COMPLETIONS = "/v1/completions"
+REASONS = ("length", "stop", "abort", "error")
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    llm = LLM(loaded=tiny["loaded"], max_num_seqs=4, max_model_len=128)
+    with RunningServer(llm) as s:
+        s.llm = llm
+        yield s
+
+
+def counts(server) -> dict[str, float]:
+    return {r: server.metric("specserve_requests_total", finish_reason=r) for r in REASONS}
+
+
+def hold_after_one_step(server, monkeypatch) -> threading.Event:
+    """The engine's next step runs (its outputs go out); the one after waits for the event."""
+    engine = server.llm.engine
+    step, steps, release = engine.step, [], threading.Event()
+
+    def held():
+        steps.append(1)
+        if len(steps) > 1:
+            release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held)
+    return release
+
+
+def stream(server, body: dict, after_first, hang_up: bool) -> list[str]:
+    """Stream `body`: call `after_first()` once the first chunk arrived, then hang up or read
+    on to the end. -> the events read."""
+    events = []
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=body | {"stream": True}, timeout=30) as r:
+        for line in filter(None, r.iter_lines()):
+            events.append(line)
+            if len(events) == 1:
+                after_first()
+                if hang_up:
+                    break
+    return events
+
+
+def aborted_log_lines(caplog) -> int:
+    """Request log lines that say `finish abort` (written when a handler ends, after it aborted
+    its engine requests)."""
+    return sum("finish abort" in r.getMessage() for r in caplog.records)
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "the server did not get there in 30 s"
+        time.sleep(0.01)
+
+
+def test_every_engine_request_is_counted_once(server, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="specserve.server")
+    before = counts(server)
+    short = {"prompt": "t5 t6 t7", "max_tokens": 5, "ignore_eos": True, "temperature": 0}
+    long = {"prompt": "t5 t6", "max_tokens": 100, "ignore_eos": True}
+
+    # Run to the end: two whole answers, and a stream of n=2 choices (two engine requests).
+    for _ in range(2):
+        assert httpx.post(f"{server.url}{COMPLETIONS}", json=short, timeout=30).status_code == 200
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=short | {"n": 2, "stream": True}, timeout=30) as r:
+        assert [line for line in r.iter_lines() if line][-1] == "data: [DONE]"
+    # Refused before anything was submitted: not an engine request.
+    assert httpx.post(f"{server.url}{COMPLETIONS}", json=short | {"max_tokens": 500}, timeout=30).status_code == 400
+
+    # Failed alone, whole and streamed (a failure injected for requests with seed 4242).
+    engine = server.llm.engine
+    verify = engine._verify
+
+    def failing(reqs, proposal, logits):
+        if any(r.params.seed == 4242 for r in reqs):
+            raise RuntimeError("injected sampler failure")
+        return verify(reqs, proposal, logits)
+
+    monkeypatch.setattr(engine, "_verify", failing)
+    bad = short | {"temperature": 0.5, "seed": 4242}
+    assert httpx.post(f"{server.url}{COMPLETIONS}", json=bad, timeout=30).status_code == 500
+    with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=bad | {"stream": True}, timeout=30) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert "internal_error" in events[-2] and events[-1] == "data: [DONE]"
+    server.wait_idle()
+
+    # Aborted because the client went away: a stream hung up after its first chunk, and a
+    # whole answer whose connection closed once it was submitted. The engine is held after one
+    # step, so neither can run to its end.
+    release = hold_after_one_step(server, monkeypatch)
+    total = sum(counts(server).values())
+    stream(server, long, lambda: None, hang_up=True)
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(long).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        # Both submitted: each is counted as ended, or open.
+        wait_for(lambda: sum(counts(server).values()) - total + server.metric("specserve_num_requests_open") == 2)
+    wait_for(lambda: aborted_log_lines(caplog) == 2)  # both handlers noticed and aborted their requests
+    release.set()
+    server.wait_idle()
+
+    # Aborted at shutdown (the grace period ran out: the engine aborts everything).
+    release = hold_after_one_step(server, monkeypatch)
+    events = stream(server, long, lambda: (server.engine.abort_all(), release.set()), hang_up=False)
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
+    assert events[-1] == "data: [DONE]"
+    m = server.wait_idle()
+
+    after = counts(server)
+    ended = {r: after[r] - before[r] for r in REASONS}
+    assert ended == {"length": 4, "stop": 0, "abort": 3, "error": 2}, ended
+    assert m["specserve_num_requests_open"] == 0 and m["specserve_kv_blocks_used"] == 0
