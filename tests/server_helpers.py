@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 
@@ -69,3 +70,38 @@ class RunningServer:
             if idle or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
+
+
+def fail_seed(engine, monkeypatch, seed: int) -> None:
+    """Inject a failure into the sampler of every step that holds a request with `seed`."""
+    verify = engine._verify
+
+    def failing(reqs, proposal, logits):
+        if any(r.params.seed == seed for r in reqs):
+            raise RuntimeError("injected sampler failure")
+        return verify(reqs, proposal, logits)
+
+    monkeypatch.setattr(engine, "_verify", failing)
+
+
+def hold_after_one_step(engine, monkeypatch) -> threading.Event:
+    """The engine's next step runs (its outputs go out); the one after waits for the event."""
+    step, steps, release = engine.step, [], threading.Event()
+
+    def held():
+        steps.append(1)
+        if len(steps) > 1:
+            release.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine, "step", held)
+    return release
+
+
+def raw_post(server: RunningServer, path: str, body: bytes) -> socket.socket:
+    """A connection that sent one POST and reads nothing: closing it is the client going away."""
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    conn.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (path.encode(), len(body), body))
+    return conn

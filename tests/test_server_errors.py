@@ -4,7 +4,6 @@ wrong, never a 500, and the server keeps answering."""
 import asyncio
 import json
 import logging
-import socket
 import threading
 import time
 
@@ -14,7 +13,7 @@ import pytest
 
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from tests.server_helpers import RunningServer
+from tests.server_helpers import RunningServer, fail_seed, hold_after_one_step, raw_post
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -108,15 +107,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, tiny, monkeypatc
     """A failure inside the engine (injected into the sampler for requests with seed 4242) ends
     that request alone: a 500, or an error event then `data: [DONE]` in its stream, counted
     as finish_reason "error"; a request running beside it gets exactly its usual answer."""
-    engine = server.llm.engine
-    verify = engine._verify
-
-    def failing(reqs, proposal, logits):
-        if any(r.params.seed == 4242 for r in reqs):
-            raise RuntimeError("injected sampler failure")
-        return verify(reqs, proposal, logits)
-
-    monkeypatch.setattr(engine, "_verify", failing)
+    fail_seed(server.llm.engine, monkeypatch, 4242)
     before = server.metric("specserve_requests_total", finish_reason="error")
     good = {"prompt": "t5 t6 t7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     bad = {"prompt": "t5 t6", "max_tokens": 12, "temperature": 0.5, "seed": 4242}
@@ -144,29 +135,16 @@ def test_a_client_that_goes_away_is_logged_as_aborted(server, monkeypatch, caplo
     """A non-streamed request whose client closes the connection after the engine produced
     its first token: the request log says `finish abort` (not `finish None`)."""
     caplog.set_level(logging.INFO, logger="specserve.server")
-    engine = server.llm.engine
-    step, steps, gate = engine.step, [], threading.Event()
-
-    def held_after_first():  # the first step's output is delivered, then the engine waits
-        steps.append(1)
-        if len(steps) > 1:
-            gate.wait(30)
-        return step()
-
+    gate = hold_after_one_step(server.llm.engine, monkeypatch)
     stream, received = server.engine.stream, threading.Event()
 
-    async def recorded(handle):  # set once the handler has taken an output
+    async def recorded(handle):  # set once the first output is on its way to the handler
         async for out in stream(handle):
             yield out
             received.set()
 
-    monkeypatch.setattr(engine, "step", held_after_first)
     monkeypatch.setattr(server.engine, "stream", recorded)
-    host, port = server.url.removeprefix("http://").split(":")
-    body = b'{"prompt": "t5 t6", "max_tokens": 50, "ignore_eos": true}'
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with raw_post(server, COMPLETIONS, b'{"prompt": "t5 t6", "max_tokens": 50, "ignore_eos": true}'):
         assert received.wait(30)
     try:
         while not any("finish" in r.getMessage() and "choice(s)" in r.getMessage() for r in caplog.records):

@@ -5,15 +5,13 @@ request and is not counted."""
 
 import json
 import logging
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
 from specserve.llm import LLM
-from tests.server_helpers import RunningServer
+from tests.server_helpers import RunningServer, fail_seed, hold_after_one_step, raw_post
 
 COMPLETIONS = "/v1/completions"
 REASONS = ("length", "stop", "abort", "error")
@@ -29,21 +27,6 @@ def server(tiny):
 
 def counts(server) -> dict[str, float]:
     return {r: server.metric("specserve_requests_total", finish_reason=r) for r in REASONS}
-
-
-def hold_after_one_step(server, monkeypatch) -> threading.Event:
-    """The engine's next step runs (its outputs go out); the one after waits for the event."""
-    engine = server.llm.engine
-    step, steps, release = engine.step, [], threading.Event()
-
-    def held():
-        steps.append(1)
-        if len(steps) > 1:
-            release.wait(30)
-        return step()
-
-    monkeypatch.setattr(engine, "step", held)
-    return release
 
 
 def stream(server, body: dict, after_first, hang_up: bool) -> list[str]:
@@ -87,16 +70,8 @@ def test_every_engine_request_is_counted_once(server, monkeypatch, caplog):
     # Refused before anything was submitted: not an engine request.
     assert httpx.post(f"{server.url}{COMPLETIONS}", json=short | {"max_tokens": 500}, timeout=30).status_code == 400
 
-    # Failed alone, whole and streamed (a failure injected for requests with seed 4242).
-    engine = server.llm.engine
-    verify = engine._verify
-
-    def failing(reqs, proposal, logits):
-        if any(r.params.seed == 4242 for r in reqs):
-            raise RuntimeError("injected sampler failure")
-        return verify(reqs, proposal, logits)
-
-    monkeypatch.setattr(engine, "_verify", failing)
+    # Failed alone, whole and streamed.
+    fail_seed(server.llm.engine, monkeypatch, 4242)
     bad = short | {"temperature": 0.5, "seed": 4242}
     assert httpx.post(f"{server.url}{COMPLETIONS}", json=bad, timeout=30).status_code == 500
     with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=bad | {"stream": True}, timeout=30) as r:
@@ -107,14 +82,10 @@ def test_every_engine_request_is_counted_once(server, monkeypatch, caplog):
     # Aborted because the client went away: a stream hung up after its first chunk, and a
     # whole answer whose connection closed once it was submitted. The engine is held after one
     # step, so neither can run to its end.
-    release = hold_after_one_step(server, monkeypatch)
+    release = hold_after_one_step(server.llm.engine, monkeypatch)
     total = sum(counts(server).values())
     stream(server, long, lambda: None, hang_up=True)
-    host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps(long).encode()
-    with socket.create_connection((host, int(port)), timeout=30) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    with raw_post(server, COMPLETIONS, json.dumps(long).encode()):
         # Both submitted: each is counted as ended, or open.
         wait_for(lambda: sum(counts(server).values()) - total + server.metric("specserve_num_requests_open") == 2)
     wait_for(lambda: aborted_log_lines(caplog) == 2)  # both handlers noticed and aborted their requests
@@ -122,7 +93,7 @@ def test_every_engine_request_is_counted_once(server, monkeypatch, caplog):
     server.wait_idle()
 
     # Aborted at shutdown (the grace period ran out: the engine aborts everything).
-    release = hold_after_one_step(server, monkeypatch)
+    release = hold_after_one_step(server.llm.engine, monkeypatch)
     events = stream(server, long, lambda: (server.engine.abort_all(), release.set()), hang_up=False)
     assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"
     assert events[-1] == "data: [DONE]"
