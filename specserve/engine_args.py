@@ -1,10 +1,10 @@
 """The engine's command-line arguments, shared by `generate`, `bench` and `serve`, and the one way
-each of them (and `LLM(config=...)`) turns what it was given into the settings the engine is
-built from.
+each of them turns what it was given into the settings the engine is built from.
 
 Precedence, key by key: a value given on the command line, then the --config file's
-(config_file.py), then the default. The arguments a file can set therefore default to None
-here, and the functions below resolve them.
+(config_file.py), then the default; LLM(config=...) resolves its keyword arguments the same way
+(config_file.pick). The arguments a file can set therefore default to None here, and the
+functions below resolve them.
 """
 
 from __future__ import annotations

@@ -139,8 +139,9 @@ def test_generate_with_a_config_file(tmp_path, capsys, tiny):
     assert main(["generate", "t5 t9 t12 t5 t9", "--config", path, "--max-tokens", "6", "--ignore-eos"]) == 0
     err = capsys.readouterr().err
     assert f"Loading {tiny['target']}" in err and "drafted" in err  # the file's model, with the file's speculation
-    assert main(["generate", "t5", "--config", write(tmp_path, {"max_num_seqs": "x"}, "bad.json")]) == 2
-    assert "bad.json" in capsys.readouterr().err
+    for command in (["generate", "t5"], ["serve", "--port", "0"], ["bench"]):  # refused before anything loads
+        assert main([*command, "--config", write(tmp_path, {"max_num_seqs": "x"}, "bad.json")]) == 2
+        assert "bad.json" in capsys.readouterr().err
 
 
 def test_bench_with_a_config_file(tmp_path, tiny):
