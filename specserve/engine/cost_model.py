@@ -145,17 +145,22 @@ class PassCostModel:
         base += [base[-1] + slope * (k - measured[-1]) for k in KNOTS[len(measured):]]
         model = cls(base)
         if max_context >= 64:
-            # keys read R = C + T, pairs S = T*C + T(T+1)/2: two passes, two unknowns.
+            # Two passes at context c, two unknowns. A probe pass of N one-token requests read
+            # N keys and N pairs itself, so each long pass less the probe of its token count
+            # leaves a * (R - N) + b * (S - N).
             c = max_context - 16
-            t1 = fastest([(1, c)]) - model.base_time(1)
-            t16 = fastest([(16, c)]) - model.base_time(16)
-            s1, s16 = PassShape(0), PassShape(0)
-            s1.add(1, c)
-            s16.add(16, c)
-            # Solve [R1 S1; R16 S16] [a b]^T = [t1 t16]^T, keeping both costs >= 0.
-            det = s1.keys_read * s16.query_keys - s16.keys_read * s1.query_keys
+            eqs = []
+            for n in (1, 16):
+                shape = PassShape(0)
+                shape.add(n, c)
+                eqs.append((shape.keys_read - n, shape.query_keys - n, fastest([(n, c)]) - model.base_time(n)))
+            (r1, s1, t1), (r2, s2, t2) = eqs
+            det = r1 * s2 - r2 * s1
             if det:
-                a = (t1 * s16.query_keys - t16 * s1.query_keys) / det
-                b = (s1.keys_read * t16 - s16.keys_read * t1) / det
-                model.per_read, model.per_query_key = max(a, 0.0), max(b, 0.0)
+                model.per_read = max((t1 * s2 - t2 * s1) / det, 0.0)
+                model.per_query_key = max((r1 * t2 - r2 * t1) / det, 0.0)
+                # The probes' own keys and pairs move out of base.
+                model.base = [t - (model.per_read + model.per_query_key) * k
+                              for t, k in zip(model.base, KNOTS)]
+                model._refresh()
         return model
