@@ -108,15 +108,15 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, tiny, monkeypatc
     """A failure inside the engine (injected into the sampler for requests with seed 4242) ends
     that request alone: a 500, or an error event then `data: [DONE]` in its stream, counted
     as finish_reason "error"; a request running beside it gets exactly its usual answer."""
-    engine = server.llm.engine
-    verify = engine._verify
+    from specserve.engine import engine as engine_module
+    verify = engine_module.verify_flat
 
-    def failing(reqs, proposal, logits):
-        if any(r.params.seed == 4242 for r in reqs):
+    def failing(trees, logits, logit_start, st, *args):
+        if any(p.seed == 4242 for p in st.params):
             raise RuntimeError("injected sampler failure")
-        return verify(reqs, proposal, logits)
+        return verify(trees, logits, logit_start, st, *args)
 
-    monkeypatch.setattr(engine, "_verify", failing)
+    monkeypatch.setattr(engine_module, "verify_flat", failing)
     before = server.metric("specserve_requests_total", finish_reason="error")
     good = {"prompt": "t5 t6 t7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     bad = {"prompt": "t5 t6", "max_tokens": 12, "temperature": 0.5, "seed": 4242}
