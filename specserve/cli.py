@@ -1,4 +1,4 @@
-"""specserve command line: generate | bench | serve | bench-serve | train-draft."""
+"""specserve command line: generate | bench | serve | bench-serve | tune | train-draft."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_parser(sub)
     from specserve.train.cli import add_train_parser
     add_train_parser(sub)
+    from specserve.bench.tune import add_tune_parser
+    add_tune_parser(sub)
     return parser
 
 
@@ -58,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from specserve.server.launcher import run_serve
             return run_serve(args)
+        if args.command == "tune":
+            from specserve.bench.tune import run_tune
+            return run_tune(args)
         if args.command == "train-draft":
             from specserve.train.cli import run_train
             return run_train(args, sys.argv[1:] if argv is None else argv)

@@ -15,6 +15,10 @@ DRAFTER_METHODS = ("eagle", "medusa")
 MAX_DRAFT_NODES = 128  # tree nodes verified per step
 MAX_DRAFT_TOPK = 32
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+# num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per request
+# and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
+# draft model or EAGLE drafts one depth per small pass, so their caps are lower.
+AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4}
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -25,7 +29,10 @@ class SpeculativeConfig:
     """What `speculative_config={...}` accepts, with vLLM's key names."""
 
     method: str
-    num_speculative_tokens: int = 4
+    # An integer k: every request drafts up to k tokens each step. "auto": the engine chooses
+    # 0..max_speculative_tokens per request and step, to maximise committed tokens per second.
+    num_speculative_tokens: int | str = "auto"
+    max_speculative_tokens: int | None = None  # "auto"'s cap; None: AUTO_MAX_SPECULATIVE_TOKENS[method]
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     model: str | None = None  # the draft model for "draft_model"; the drafter folder for "eagle" and "medusa"
@@ -47,9 +54,16 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise InvalidParameterError("speculative_config.method", self.method, f"must be one of {', '.join(SPEC_METHODS)}")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise InvalidParameterError("num_speculative_tokens", k, f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]")
+        for name in ("num_speculative_tokens", "max_speculative_tokens"):
+            k = getattr(self, name)
+            if (name == "num_speculative_tokens" and k == "auto") or (name == "max_speculative_tokens" and k is None):
+                continue
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+                also = "'auto'" if name == "num_speculative_tokens" else "None"
+                raise InvalidParameterError(name, k, f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or {also}")
+        if self.max_speculative_tokens is not None and not self.adaptive:
+            raise InvalidParameterError("max_speculative_tokens", self.max_speculative_tokens,
+                                        "applies with num_speculative_tokens='auto' only (a fixed k is its own cap)")
         if self.method == "ngram":
             check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
         check_num_branches(self.num_branches)
@@ -73,6 +87,17 @@ class SpeculativeConfig:
                 raise InvalidParameterError(name, v, "must be a number in (0, 1]")
 
     @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def k(self) -> int:
+        """The fixed k, or "auto"'s cap."""
+        if not self.adaptive:
+            return self.num_speculative_tokens
+        return self.max_speculative_tokens or AUTO_MAX_SPECULATIVE_TOKENS[self.method]
+
+    @property
     def lossy(self) -> bool:
         return self.acceptance_method == "typical_acceptance_sampler"
 
@@ -81,7 +106,7 @@ class SpeculativeConfig:
         if d is None or isinstance(d, cls):
             return d
         if not isinstance(d, dict):
-            raise InvalidParameterError("speculative_config", d, "must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 4}")
+            raise InvalidParameterError("speculative_config", d, "must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 'auto'}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

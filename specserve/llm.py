@@ -75,10 +75,11 @@ class LLM:
         self.engine_config = dataclasses.replace(self.engine_config, num_kv_blocks=self.kv_budget.num_blocks,
                                                  kv_cache_memory=None)
         proposer = build_proposer(self.spec_config, self.target, self.engine_config)
-        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        k = self.spec_config.k if self.spec_config else 0
         typical = (TypicalAcceptance(self.spec_config.posterior_threshold, self.spec_config.posterior_alpha)
                    if self.spec_config and self.spec_config.lossy else None)
-        self.engine = LLMEngine(self.target, self.engine_config, proposer, k, typical_acceptance=typical)
+        self.engine = LLMEngine(self.target, self.engine_config, proposer, k, typical_acceptance=typical,
+                                adaptive=bool(self.spec_config and self.spec_config.adaptive))
         self.tokenizer = self.target.tokenizer
         self._ids = itertools.count()
 

@@ -72,16 +72,18 @@ class RunningServer:
             time.sleep(0.05)
 
 
-def fail_seed(engine, monkeypatch, seed: int) -> None:
-    """Inject a failure into the sampler of every step that holds a request with `seed`."""
-    verify = engine._verify
+def fail_seed(monkeypatch, seed: int) -> None:
+    """Inject a failure into the verification of every step that holds a request with `seed`."""
+    from specserve.engine import engine as engine_module
 
-    def failing(reqs, proposal, logits):
-        if any(r.params.seed == seed for r in reqs):
+    verify = engine_module.verify_flat
+
+    def failing(trees, logits, logit_start, st, *args):
+        if any(p.seed == seed for p in st.params):
             raise RuntimeError("injected sampler failure")
-        return verify(reqs, proposal, logits)
+        return verify(trees, logits, logit_start, st, *args)
 
-    monkeypatch.setattr(engine, "_verify", failing)
+    monkeypatch.setattr(engine_module, "verify_flat", failing)
 
 
 def hold_after_one_step(engine, monkeypatch) -> threading.Event:

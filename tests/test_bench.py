@@ -19,20 +19,18 @@ from tests.helpers import make_tiny_checkpoint
 RESULT_KEYS = {"method", "label", "draft", "num_speculative_tokens", "temperature", "tokens_per_s", "decode_tokens_per_s",
                "prefill_tokens_per_s",
                "speedup", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "identical_to_baseline",
-               "num_prompts", "num_tokens", "per_category"}
+               "num_prompts", "num_tokens", "per_category", "drafts_per_pass"}
 # Throughput mode: the same keys (figures over the whole run; no per-category split, since tokens/s
 # is over the run's wall time), plus the serving figures.
 THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category", "prefill_tokens_per_s"}) | {
     "concurrency", "wall_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
-    "prefix_cache_hit_rate", "num_preemptions"}
+    "prefix_cache_hit_rate", "num_preemptions", "mean_chosen_depth"}
 
 
 def bench(argv: list[str]) -> int:
-    """`specserve bench ARGV` at a fixed k unless ARGV names one: these figures are the same
-    whichever k the engine would choose with 'auto' (the default)."""
     parser = argparse.ArgumentParser(prog="specserve")
     add_bench_parser(parser.add_subparsers(dest="command"))
-    return run_bench(parser.parse_args(["bench", "--num-speculative-tokens", "4", *argv]))
+    return run_bench(parser.parse_args(["bench", *argv]))
 
 
 # ---- workloads ----------------------------------------------------------------------------------
@@ -249,20 +247,18 @@ def test_throughput_figures():
     d = f.as_dict()
     assert set(d) == THROUGHPUT_KEYS and d["concurrency"] == 2 and d["label"] == "ngram k=2"
     assert d["prefix_cache_hit_rate"] == 0.25 and d["num_preemptions"] == 1
+    assert d["drafts_per_pass"] == 2.0 and d["mean_chosen_depth"] is None  # 4 drafts over 2 passes; k fixed
 
 
 class _FakeEngine:
     """Finishes the oldest running request every step; notes how many ran together."""
 
     def __init__(self):
-        from specserve.kv.block_manager import PrefixCacheStats
-
-        self.stats = PrefixCacheStats()
-        self.scheduler = type("S", (), {"pool": self, "num_preemptions": 0})()
         self.running, self.log, self.popped = [], [], []
 
-    def prefix_cache_stats(self):
-        return self.stats
+    def stats(self):
+        from specserve.engine.engine import EngineStats
+        return EngineStats()
 
     def add_request(self, rid, ids, params):
         self.running.append((rid, ids, time.perf_counter()))

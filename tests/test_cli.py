@@ -19,8 +19,7 @@ def run_cli(capsys, *argv):
 
 def test_generate_streams_text_and_prints_figures(capsys, tiny_model):
     code, out, err = run_cli(capsys, "generate", "t5 t9 t12 t5 t9", "--model", tiny_model, "--max-tokens", "6",
-                             "--ignore-eos", "--speculative", "ngram", "--num-speculative-tokens", "4",
-                             "--compare-plain")
+                             "--ignore-eos", "--speculative", "ngram", "--compare-plain")
     assert code == 0
     assert len(out.split()) == 6
     assert "prompt tokens 5 | generated 6 |" in err and "decode" in err and "tok/s" in err
@@ -40,9 +39,8 @@ def test_generate_on_the_embedded_model_with_chat(capsys):
     (["--top-k", "-2"], "top_k"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
-    (["--speculative", "ngram", "--num-speculative-tokens", "4", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"],
-     "prompt_lookup"),
-    (["--speculative", "draft_model", "--num-speculative-tokens", "4"], "draft model's path"),
+    (["--speculative", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"], "prompt_lookup"),
+    (["--speculative", "draft_model"], "draft model's path"),
     (["--model", "/nonexistent/model.gguf"], "does not exist"),
     (["--dtype", "float32", "--device", "tpu"], "device"),
 ])

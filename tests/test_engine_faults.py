@@ -88,12 +88,13 @@ def injected(kind: str):
             mp.setattr(SamplingTensors, "from_params", classmethod(raise_if(
                 lambda cls, params, device: holds_bad(params), SamplingTensors.from_params.__func__, message)))
         elif kind == "sample":  # after the batch drew its random numbers
-            mp.setattr("specserve.engine.engine.verify", raise_if(
-                lambda *args: holds_bad(args[4].params), engine_module.verify, message, after=True))
+            mp.setattr("specserve.engine.engine.verify_flat", raise_if(
+                lambda *args: holds_bad(args[3].params), engine_module.verify_flat, message, after=True))
         elif kind == "forward":
             kv = engine.scheduler.kv
-            mp.setattr(engine.runner, "forward", raise_if(lambda batch: "bad" in kv and kv.block_table("bad") in batch.locations,
-                                                          engine.runner.forward, message))
+            mp.setattr(engine.runner, "forward_rows", raise_if(
+                lambda batch, num_logits: "bad" in kv and kv.block_table("bad") in batch.locations,
+                engine.runner.forward_rows, message))
         elif kind == "detokenize":
             mp.setattr(bad.detokenizer, "step", raise_if(lambda ids: True, bad.detokenizer.step, message))
         elif kind == "observe":

@@ -48,16 +48,15 @@ def fake_step(s: Scheduler, accept_drafts: int = 0, check=None):
     done = []
     for sr in out.prefill + out.decode:
         r = sr.request
-        samples = sr.samples
-        r.num_computed_tokens += sr.num_new_tokens
-        if samples:
+        committed = 0
+        if sr.samples:
             accepted = min(accept_drafts, sr.num_draft)
             for _ in range(accepted + 1):
                 r.output_token_ids.append(7 + len(r.output_token_ids) % 5)
+                committed += 1
                 if len(r.output_token_ids) >= r.max_new:
                     break
-            r.num_computed_tokens = r.num_tokens - 1
-        s.update(r)
+        s.update(sr, committed)  # the scheduler moves the request's progress
         if len(r.output_token_ids) >= r.max_new:
             r.status = Status.FINISHED
             s.finish(r)

@@ -107,7 +107,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, tiny, monkeypatc
     """A failure inside the engine (injected into the sampler for requests with seed 4242) ends
     that request alone: a 500, or an error event then `data: [DONE]` in its stream, counted
     as finish_reason "error"; a request running beside it gets exactly its usual answer."""
-    fail_seed(server.llm.engine, monkeypatch, 4242)
+    fail_seed(monkeypatch, 4242)
     before = server.metric("specserve_requests_total", finish_reason="error")
     good = {"prompt": "t5 t6 t7", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     bad = {"prompt": "t5 t6", "max_tokens": 12, "temperature": 0.5, "seed": 4242}

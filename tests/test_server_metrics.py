@@ -71,7 +71,7 @@ def test_every_engine_request_is_counted_once(server, monkeypatch, caplog):
     assert httpx.post(f"{server.url}{COMPLETIONS}", json=short | {"max_tokens": 500}, timeout=30).status_code == 400
 
     # Failed alone, whole and streamed.
-    fail_seed(server.llm.engine, monkeypatch, 4242)
+    fail_seed(monkeypatch, 4242)
     bad = short | {"temperature": 0.5, "seed": 4242}
     assert httpx.post(f"{server.url}{COMPLETIONS}", json=bad, timeout=30).status_code == 500
     with httpx.stream("POST", f"{server.url}{COMPLETIONS}", json=bad | {"stream": True}, timeout=30) as r:

@@ -21,18 +21,18 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture
 def counts(monkeypatch):
-    """Counts tree verification passes and tree compactions (accepted paths not in place)."""
+    """Counts verifications of branching trees and tree compactions (accepted paths not in place)."""
     seen = {"trees": 0, "moves": 0}
-    verify, move = engine_module.tree_verify, PagedKVCache.move
+    verify, move = engine_module.verify_flat, PagedKVCache.move
 
-    def counting_verify(*args):
-        seen["trees"] += 1
-        return verify(*args)
+    def counting_verify(trees, *args):
+        seen["trees"] += any(not t.is_chain for t in trees)
+        return verify(trees, *args)
 
     def counting_move(self, *args):
         seen["moves"] += 1
         return move(self, *args)
-    monkeypatch.setattr(engine_module, "tree_verify", counting_verify)
+    monkeypatch.setattr(engine_module, "verify_flat", counting_verify)
     monkeypatch.setattr(PagedKVCache, "move", counting_move)
     return seen
 

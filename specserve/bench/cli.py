@@ -151,6 +151,7 @@ def run_bench(args) -> int:
 
     from specserve.bench.peers import PeerPlan, build_peers
     from specserve.bench.runner import SpecserveRunner, measure, report
+    from specserve.bench.throughput import run_throughput
     from specserve.bench.workload import Selection, load_workload, select
     from specserve.config import SpeculativeConfig
     from specserve.config_file import load_config_file
@@ -213,7 +214,7 @@ def run_bench(args) -> int:
         del baseline  # only its max_model_len was needed: throughput mode builds an engine per run
         _print_header(loaded.name, machine, workload, settings)
         t0 = time.perf_counter()
-        results = _run_throughput(loaded, [Config("none")] + [c for c, _ in spec_configs], dict(spec_configs),
+        results = run_throughput(loaded, [Config("none")] + [c for c, _ in spec_configs], dict(spec_configs),
                                   prompt_ids, concurrency, params_for, warmup, args.temperature,
                                   min(max_len, max(map(len, prompt_ids)) + args.max_tokens),
                                   engine.get("max_num_batched_tokens"))
@@ -239,38 +240,6 @@ def run_bench(args) -> int:
     return 0
 
 
-def _run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[list[int]], concurrency: list[int],
-                    params_for, warmup, temperature: float, model_len: int,
-                    max_num_batched_tokens: int | None) -> list:
-    """Every configuration at every concurrency, each on its own engine with room for c requests.
-
-    `model_len` is the longest request's context, not the model's: the KV pools (the target's
-    and a draft model's, as many blocks each) then hold c requests at once without preemption
-    even at high concurrency. Requests still stop at max_tokens, as in latency mode,
-    so outputs are the same."""
-    from tqdm import tqdm
-
-    from specserve.bench.throughput import measure_throughput, throughput_figures
-    from specserve.llm import LLM
-
-    block_size = 16
-    per_request = -(-model_len // block_size)
-
-    def build_engine(config: Config, c: int):
-        llm = LLM(loaded=loaded, speculative_config=specs.get(config), max_model_len=model_len, max_num_seqs=c,
-                  block_size=block_size, num_kv_blocks=per_request * min(c, len(prompts)),
-                  max_num_batched_tokens=max_num_batched_tokens)
-        return llm.engine
-
-    with tqdm(total=len(prompts) * len(configs) * len(concurrency), desc="bench", unit="req", file=sys.stderr) as bar:
-        def progress(label: str) -> None:
-            bar.set_postfix_str(label, refresh=False)
-            bar.update(1)
-        runs = measure_throughput(configs, build_engine, prompts, concurrency, params_for, warmup, progress)
-    plain = {r.concurrency: r for r in runs if r.config.method == "none"}
-    return [throughput_figures(r, plain[r.concurrency], temperature) for r in runs]
-
-
 def _print_header(model: str, machine: dict, workload: dict, settings: dict) -> None:
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
     cats = ", ".join(f"{c} {n}" for c, n in workload["categories"].items())
@@ -289,12 +258,12 @@ def _fmt(x, spec: str = "{:.2f}", suffix: str = "") -> str:
 def _print_table(reports, seconds: float) -> None:
     width = max(24, *(len(r.config.label) for r in reports)) + 1
     print(f"\n{'configuration':<{width}} {'tok/s':>8} {'decode':>8} {'prefill':>8} {'speedup':>8} {'accept':>7} {'tau':>6} "
-          f"{'identical':>9}")
+          f"{'drafts':>6} {'identical':>9}")
     for r in reports:
         f = r.overall
         print(f"{r.config.label:<{width}} {f.tokens_per_s:>8.1f} {f.decode_tokens_per_s:>8.1f} {f.prefill_tokens_per_s:>8.1f} "
               f"{_fmt(f.speedup, suffix='x'):>8} {_fmt(f.acceptance_rate):>7} {_fmt(f.mean_accepted_length):>6} "
-              f"{_fmt(f.identical_to_baseline):>9}")
+              f"{_fmt(f.drafts_per_pass):>6} {_fmt(f.identical_to_baseline):>9}")
     cats = list(reports[0].per_category)
     if len(cats) > 1 and len(reports) > 1:
         print("\nspeedup over plain by category:")
@@ -303,20 +272,23 @@ def _print_table(reports, seconds: float) -> None:
             print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(r.per_category[c].speedup, suffix='x'):>11}" for c in cats))
     print(f"\n(tok/s: generated tokens over request time, prefill included; decode: after the first token; "
           f"prefill: prompt tokens over the time to the first token; "
-          f"tau: tokens per target pass; measured in {seconds:.0f}s)")
+          f"tau: tokens per target pass; drafts: drafts verified per target pass; measured in {seconds:.0f}s)")
 
 
 def _print_throughput_table(results, seconds: float) -> None:
     width = max(24, *(len(r.config.label) for r in results)) + 1
     print(f"\n{'configuration':<{width}} {'conc':>5} {'tok/s':>8} {'req/s':>7} {'speedup':>8} {'ttft p50':>9} "
-          f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'accept':>7} {'tau':>6} {'prefix':>7} {'identical':>9}")
+          f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'accept':>7} {'tau':>6} {'k':>5} {'drafts':>6} {'prefix':>7} "
+          f"{'identical':>9}")
     for r in results:
         print(f"{r.config.label:<{width}} {r.concurrency:>5} {r.tokens_per_s:>8.1f} {r.requests_per_s:>7.2f} "
               f"{_fmt(r.speedup, suffix='x'):>8} {_fmt(r.ttft_ms_p50, '{:.1f}'):>9} {_fmt(r.ttft_ms_p99, '{:.1f}'):>9} "
               f"{_fmt(r.tpot_ms_p50, '{:.1f}'):>9} {_fmt(r.tpot_ms_p99, '{:.1f}'):>9} {_fmt(r.acceptance_rate):>7} "
-              f"{_fmt(r.mean_accepted_length):>6} {r.prefix_cache_hit_rate:>7.2f} {_fmt(r.identical_to_baseline):>9}")
+              f"{_fmt(r.mean_accepted_length):>6} {_fmt(r.mean_chosen_depth):>5} {_fmt(r.drafts_per_pass):>6} "
+              f"{r.prefix_cache_hit_rate:>7.2f} {_fmt(r.identical_to_baseline):>9}")
     preempted = sum(r.num_preemptions for r in results)
     print(f"\n(conc: requests in flight; tok/s, req/s: all generated tokens and requests over wall time; speedup "
           f"and identical: against plain at the same concurrency; ttft, tpot: ms per request, time to first token "
-          f"and per output token after it; tau: tokens per target pass; prefix: prefix-cache hit rate; "
+          f"and per output token after it; tau: tokens per target pass; k: draft depth chosen per request and step "
+          f"(adaptive); drafts: drafts verified per target pass; prefix: prefix-cache hit rate; "
           f"{preempted} preemptions; measured in {seconds:.0f}s)")

@@ -17,13 +17,16 @@ class Config:
     """One configuration: one line of the report."""
 
     method: str  # "none", "ngram", "draft_model", or a peer's: "transformers", "llama.cpp:prompt_lookup", ...
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | str | None = None  # k, "auto", or None (plain, peers)
     draft: str | None = None  # the draft model's path, for methods that use one
+    variant: str = ""  # other knobs that set this configuration apart, as "name=value ..."
 
     @property
     def label(self) -> str:
         name = self.method if self.draft is None else f"{self.method}({Path(self.draft).name})"
-        return name if self.num_speculative_tokens is None else f"{name} k={self.num_speculative_tokens}"
+        if self.num_speculative_tokens is not None:
+            name += f" k={self.num_speculative_tokens}"
+        return f"{name} {self.variant}" if self.variant else name
 
 
 @dataclass(slots=True)
@@ -69,6 +72,7 @@ class Figures:
     mean_accepted_length: float | None  # tokens emitted per target pass (tau)
     acceptance_by_position: list[float] | None
     identical_to_baseline: float | None  # fraction of prompts whose tokens equal plain's; greedy only
+    drafts_per_pass: float | None = None  # drafts verified per target pass (adaptive k: what was chosen and found)
 
     def as_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
@@ -78,7 +82,7 @@ class Figures:
                 "acceptance_rate": r(self.acceptance_rate), "mean_accepted_length": r(self.mean_accepted_length),
                 "acceptance_by_position": None if self.acceptance_by_position is None
                 else [r(a) for a in self.acceptance_by_position],
-                "identical_to_baseline": r(self.identical_to_baseline)}
+                "identical_to_baseline": r(self.identical_to_baseline), "drafts_per_pass": r(self.drafts_per_pass)}
 
 
 def rate(count: float, seconds: float) -> float:
@@ -107,6 +111,7 @@ def figures(samples: Sequence[Sample], baseline: Sequence[Sample], greedy: bool)
         mean_accepted_length=None if spec is None else spec.mean_accepted_length,
         acceptance_by_position=None if spec is None else spec.acceptance_by_position,
         identical_to_baseline=identical,
+        drafts_per_pass=None if spec is None else rate(spec.num_drafted, spec.num_target_passes),
     )
 
 

@@ -3,6 +3,7 @@ in flight, a new one submitted as soon as one finishes, and the serving figures 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,6 +35,9 @@ class ConcurrentRun:
     wall_s: float  # first submission to last finish
     prefix_cache_hit_rate: float  # over this run's lookups only (the warm-up's are subtracted)
     num_preemptions: int
+    # Adaptive speculation: draft depth the engine chose per request and step, averaged over
+    # this run (plain steps count as 0); None where the depth is fixed.
+    mean_chosen_depth: float | None = None
 
 
 def run_concurrent(engine, config: Config, prompts: Sequence[list[int]], params_for: Callable[[int], SamplingParams],
@@ -42,8 +46,8 @@ def run_concurrent(engine, config: Config, prompts: Sequence[list[int]], params_
 
     Prompt i is request `{tag}{i}`, submitted in order; TTFT counts from its submission, which
     is when a slot freed (a closed loop: c users, each sending the next prompt on an answer)."""
-    pool, speculative = engine.scheduler.pool, config.method != "none"
-    stats0, preempt0 = pool.prefix_cache_stats(), engine.scheduler.num_preemptions
+    speculative = config.method != "none"
+    before = engine.stats()
     pending = deque(range(len(prompts)))
     done: list[Completion | None] = [None] * len(prompts)
     in_flight: set[str] = set()
@@ -78,10 +82,12 @@ def run_concurrent(engine, config: Config, prompts: Sequence[list[int]], params_
         for rid in in_flight:
             engine.abort_request(rid)
             engine.pop_finished(rid)
-    stats = pool.prefix_cache_stats()
-    queried = stats.queried_blocks - stats0.queried_blocks
-    hit_rate = (stats.hit_blocks - stats0.hit_blocks) / queried if queried else 0.0
-    return ConcurrentRun(config, concurrency, done, wall, hit_rate, engine.scheduler.num_preemptions - preempt0)
+    after = engine.stats()
+    queried = after.prefix_cache_queried_blocks - before.prefix_cache_queried_blocks
+    hit_rate = (after.prefix_cache_hit_blocks - before.prefix_cache_hit_blocks) / queried if queried else 0.0
+    chosen = [a - b for a, b in zip(after.draft_depth_counts, before.draft_depth_counts)]
+    depth = sum(d * n for d, n in enumerate(chosen)) / sum(chosen) if sum(chosen) else None
+    return ConcurrentRun(config, concurrency, done, wall, hit_rate, after.num_preemptions - before.num_preemptions, depth)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -117,6 +123,8 @@ class ThroughputFigures:
     identical_to_baseline: float | None  # fraction equal to plain's at the same concurrency; greedy only
     prefix_cache_hit_rate: float
     num_preemptions: int
+    mean_chosen_depth: float | None = None  # adaptive speculation's average draft depth per request-step
+    drafts_per_pass: float | None = None  # drafts verified per target pass (what the proposer found)
 
     def as_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
@@ -131,7 +139,8 @@ class ThroughputFigures:
                 "acceptance_by_position": None if self.acceptance_by_position is None
                 else [r(a) for a in self.acceptance_by_position],
                 "identical_to_baseline": r(self.identical_to_baseline),
-                "prefix_cache_hit_rate": r(self.prefix_cache_hit_rate), "num_preemptions": self.num_preemptions}
+                "prefix_cache_hit_rate": r(self.prefix_cache_hit_rate), "num_preemptions": self.num_preemptions,
+                "mean_chosen_depth": r(self.mean_chosen_depth), "drafts_per_pass": r(self.drafts_per_pass)}
 
 
 def throughput_figures(run: ConcurrentRun, baseline: ConcurrentRun, temperature: float) -> ThroughputFigures:
@@ -155,7 +164,9 @@ def throughput_figures(run: ConcurrentRun, baseline: ConcurrentRun, temperature:
         acceptance_by_position=None if spec is None else spec.acceptance_by_position,
         identical_to_baseline=sum(a.token_ids == b.token_ids for a, b in zip(done, base)) / len(done)
         if temperature == 0 else None,
-        prefix_cache_hit_rate=run.prefix_cache_hit_rate, num_preemptions=run.num_preemptions)
+        prefix_cache_hit_rate=run.prefix_cache_hit_rate, num_preemptions=run.num_preemptions,
+        mean_chosen_depth=run.mean_chosen_depth,
+        drafts_per_pass=None if spec is None else rate(spec.num_drafted, spec.num_target_passes))
 
 
 def measure_throughput(configs: Sequence[Config], build_engine: Callable[[Config, int], object],
@@ -182,3 +193,34 @@ def measure_throughput(configs: Sequence[Config], build_engine: Callable[[Config
             del engine  # its KV cache goes before the next engine allocates one
         runs += [found[i] for i in range(len(configs))]
     return runs
+
+
+def run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[list[int]], concurrency: list[int],
+                   params_for, warmup, temperature: float, model_len: int,
+                   max_num_batched_tokens: int | None = None) -> list[ThroughputFigures]:
+    """Every configuration at every concurrency, each on its own engine with room for c requests.
+
+    `model_len` is the longest request's context, not the model's: the KV pools (the target's
+    and a draft model's, as many blocks each) then hold c requests at once without preemption
+    even at high concurrency. Requests still stop at max_tokens, as in latency mode,
+    so outputs are the same."""
+    from tqdm import tqdm
+
+    from specserve.llm import LLM
+
+    block_size = 16
+    per_request = -(-model_len // block_size)
+
+    def build_engine(config: Config, c: int):
+        llm = LLM(loaded=loaded, speculative_config=specs.get(config), max_model_len=model_len, max_num_seqs=c,
+                  block_size=block_size, num_kv_blocks=per_request * min(c, len(prompts)),
+                  max_num_batched_tokens=max_num_batched_tokens)
+        return llm.engine
+
+    with tqdm(total=len(prompts) * len(configs) * len(concurrency), desc="bench", unit="req", file=sys.stderr) as bar:
+        def progress(label: str) -> None:
+            bar.set_postfix_str(label, refresh=False)
+            bar.update(1)
+        runs = measure_throughput(configs, build_engine, prompts, concurrency, params_for, warmup, progress)
+    plain = {r.concurrency: r for r in runs if r.config.method == "none"}
+    return [throughput_figures(r, plain[r.concurrency], temperature) for r in runs]

@@ -45,6 +45,11 @@ class DraftTree:
         """No drafts: the step only computes the root (a plain decode step)."""
         return cls([], [])
 
+    @property
+    def is_chain(self) -> bool:
+        """A single path (the empty tree included): causal attention is its tree mask."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
     @classmethod
     def chain(cls, token_ids: Sequence[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
         """A single path: node i is the child of node i - 1."""

@@ -37,20 +37,6 @@ class EngineStoppedError(SpecserveError):
     """The engine is shutting down (or died) and takes no new requests."""
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What the engine looked like after its last step (published by the engine thread)."""
-
-    num_running: int = 0
-    num_waiting: int = 0  # queued in the scheduler, plus adds the thread has not taken yet
-    num_requests: int = 0  # requests the engine still holds (running, waiting, or finished but not popped)
-    num_kv_blocks: int = 0
-    num_kv_blocks_used: int = 0  # referenced by requests; evictable prefix-cache blocks count as free
-    prefix_cache_queried_blocks: int = 0
-    prefix_cache_hit_blocks: int = 0
-    num_preemptions: int = 0
-
-
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -95,7 +81,7 @@ class AsyncEngine:
         self._accepting = True
         self._stop = False
         self.error: BaseException | None = None  # set when a step failed: the engine is dead
-        self.snapshot = self._take_snapshot()
+        self.snapshot = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -286,19 +272,4 @@ class AsyncEngine:
             pass
 
     def _publish(self) -> None:
-        self.snapshot = self._take_snapshot()
-
-    def _take_snapshot(self) -> EngineSnapshot:
-        sched = self.engine.scheduler
-        pool = sched.pool
-        stats = pool.prefix_cache_stats()
-        return EngineSnapshot(
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_requests=len(self.engine.requests),
-            num_kv_blocks=pool.num_blocks,
-            num_kv_blocks_used=pool.num_blocks - pool.num_available_blocks,
-            prefix_cache_queried_blocks=stats.queried_blocks,
-            prefix_cache_hit_blocks=stats.hit_blocks,
-            num_preemptions=sched.num_preemptions,
-        )
+        self.snapshot = self.engine.stats()

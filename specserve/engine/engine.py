@@ -12,17 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.config import MAX_SPECULATIVE_TOKENS, EngineConfig
+from specserve.drafts import DraftProposal, DraftTree, SpecRequest, VerifyFeedback
+from specserve.engine.adaptive import PlanRow, SpeculationPlanner
+from specserve.engine.cost_model import PassCostModel, PassShape
 from specserve.engine.request import Request, Status
-from specserve.model.runner import ForwardBatch, ModelRunner
+from specserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from specserve.kv.budget import num_kv_blocks
-from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from specserve.sample import SamplingTensors, VerifyOutput, make_generator, tree_verify, verify
+from specserve.sample import SamplingTensors, make_generator, verify_flat
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
-from specserve.drafts import DraftProposal, DraftTree, DraftTreeProposal, SpecRequest, VerifyFeedback
 from specserve.spec.proposer import Proposer
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -52,9 +54,36 @@ class _Computed:
     target_time_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's figures at one moment (`LLMEngine.stats`): what servers and benchmarks read."""
+
+    num_running: int = 0
+    num_waiting: int = 0  # queued in the scheduler (a server adds those its thread has not taken yet)
+    num_requests: int = 0  # requests the engine still holds (running, waiting, or finished but not popped)
+    num_kv_blocks: int = 0
+    num_kv_blocks_used: int = 0  # referenced by requests; evictable prefix-cache blocks count as free
+    prefix_cache_queried_blocks: int = 0
+    prefix_cache_hit_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    # Adaptive speculation: request-steps by the draft depth chosen (index 0: no drafts), and
+    # the pass cost model's line; empty when drafts are not chosen per step.
+    draft_depth_counts: tuple[int, ...] = ()
+    cost_model: str = ""
+
+    @property
+    def mean_draft_depth(self) -> float:
+        n = sum(self.draft_depth_counts)
+        return sum(d * c for d, c in enumerate(self.draft_depth_counts)) / n if n else 0.0
+
+
 class LLMEngine:
     def __init__(self, target: LoadedModel, config: EngineConfig, proposer: Proposer | None = None,
-                 num_speculative_tokens: int = 0, typical_acceptance: TypicalAcceptance | None = None):
+                 num_speculative_tokens: int = 0, typical_acceptance: TypicalAcceptance | None = None,
+                 adaptive: bool = False, cost_model: PassCostModel | None = None):
+        """num_speculative_tokens: k, or with `adaptive` the most a request may draft per step
+        (the planner chooses 0..k each step from `cost_model`, measured here when not given)."""
         self.target = target
         # Set: sampled requests verify drafts with the typical rule (lossy, opt-in); chains are
         # then verified as one-path trees.
@@ -68,6 +97,31 @@ class LLMEngine:
         self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, num_blocks)
         self.requests: dict[str, Request] = {}
+        self.planner: SpeculationPlanner | None = None
+        if adaptive and self.num_speculative_tokens:
+            width = self.proposer.num_draft_nodes(self.num_speculative_tokens) / self.num_speculative_tokens
+            self.planner = SpeculationPlanner(cost_model or self._measure_cost(), self.num_speculative_tokens,
+                                              tokens_per_depth=width)
+        self.num_steps = 0
+
+    def _measure_cost(self) -> PassCostModel:
+        """The target's pass cost on this machine, timed on scratch KV slots (no request holds
+        any block yet, and blocks are written before any request reads them)."""
+        bs, blocks = self.config.block_size, self.scheduler.pool.num_blocks
+
+        def run(requests: list[tuple[int, int]]) -> None:
+            tables, starts, tokens = [], [], []
+            for i, (n, context) in enumerate(requests):
+                need = -(-(context + n) // bs)
+                tables.append([(i + j) % blocks for j in range(need)])
+                starts.append(context)
+                tokens.append([0] * n)
+            self.runner.forward_rows(ForwardBatch(tables, starts, tokens, all_logits=False), [1] * len(requests))
+            self.runner.synchronize()
+
+        probe = min(128, self.config.max_num_batched_tokens, self.config.max_num_seqs * (1 + self.num_speculative_tokens))
+        context = min(1024, blocks * bs, self.config.max_model_len) - 16
+        return PassCostModel.measure(run, probe, context)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -126,6 +180,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             eos_token_ids=self.tokenizer.eos_token_ids,
             num_speculative_tokens=self._request_k(use_speculation, num_speculative_tokens),
+            # Draft lengths chosen each step, unless the request asked for its own k.
+            adaptive=self.planner is not None and use_speculation and num_speculative_tokens is None,
         )
         if req.num_speculative_tokens:
             req.num_draft_nodes = self.proposer.num_draft_nodes(req.num_speculative_tokens)
@@ -154,13 +210,30 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def speculative(self) -> bool:
+        return self.proposer is not None
+
+    def stats(self) -> EngineStats:
+        sched, pool = self.scheduler, self.scheduler.pool
+        cache = pool.prefix_cache_stats()
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting), num_requests=len(self.requests),
+            num_kv_blocks=pool.num_blocks, num_kv_blocks_used=pool.num_blocks - pool.num_available_blocks,
+            prefix_cache_queried_blocks=cache.queried_blocks, prefix_cache_hit_blocks=cache.hit_blocks,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            draft_depth_counts=tuple(self.planner.chosen) if self.planner else (),
+            cost_model=self.planner.cost.describe() if self.planner else "")
+
     # ---- one step --------------------------------------------------------------------------
     #
-    # A step computes every scheduled request's share first (_compute: one batched pass,
-    # sampling, verification) and commits each afterwards (_commit: tokens, stop rules,
-    # detokenization, log probabilities, proposer feedback). An exception fails one request
-    # only, with finish_reason "error": a commit is guarded per request, and when the batch
-    # itself fails, each request is computed again alone to find the one it failed for.
+    # schedule -> execute -> update. `execute` computes every scheduled request's share in one
+    # forward pass (prompt chunks, decode tokens and drafts flattened side by side) and
+    # verifies it; nothing of a request changes there. `update` commits each share (tokens,
+    # stop rules, log probabilities, proposer feedback) and hands the request's new progress to
+    # the scheduler. An exception fails one request only, with finish_reason "error": a commit
+    # is guarded per request, and when the batch itself fails, each request is computed again
+    # alone to find the one it failed for.
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
@@ -168,203 +241,190 @@ class LLMEngine:
             self._forget_drafts(r)
         if sched.empty:
             return []
-        scheduled = sched.prefill + sched.decode
-        samples = [s.samples for s in scheduled]  # asked before commits move the computed lengths
-        feedback = VerifyFeedback([], [], [], [], [])
-        for s, computed in zip(scheduled, self._compute(sched.prefill, sched.decode)):
-            if isinstance(computed, Exception):
-                self._fail(s.request, computed)
-            else:
-                self._guarded(s.request, self._commit, s, computed, feedback)
-        self._observe(feedback)
-        outputs = []
-        for s, sampled in zip(scheduled, samples):
-            r = s.request
-            self._guarded(r, self.scheduler.update, r)
-            if sampled or r.finished:
-                # A failed request's output reads no parameter, so it cannot fail again.
-                outputs.append(self._guarded(r, self._output, r) or self._output(r))
-            if r.finished:
-                self._release(r)
-        return outputs
+        self.num_steps += 1
+        return self.update(sched, self.execute(sched))
 
-    def _compute(self, prefill: list[ScheduledRequest], decode: list[ScheduledRequest]) -> list[_Computed | Exception]:
-        """Each scheduled request's share of the step, prefill chunks first; for a request that
-        failed alone, its exception."""
+    def execute(self, sched: SchedulerOutput) -> list[_Computed | Exception]:
+        """Each scheduled request's share of the step (in `sched.scheduled` order); for a
+        request that failed alone, its exception."""
+        scheduled = sched.scheduled
         rng = [r.generator.get_state() if r.generator is not None and not r.params.greedy else None
-               for r in (s.request for s in prefill + decode)]
+               for r in (s.request for s in scheduled)]
         try:
-            return (self._prefill(prefill) if prefill else []) + (self._decode(decode) if decode else [])
+            return self._compute(scheduled, learn=True)
         except Exception as e:
             logger.warning("a step of %d request(s) failed (%s: %s); computing each alone to find the one it "
-                           "failed for", len(rng), type(e).__name__, e)
-            alone = [(s, False) for s in prefill] + [(s, True) for s in decode]
-            return [self._compute_alone(s, is_decode, state) for (s, is_decode), state in zip(alone, rng)]
+                           "failed for", len(scheduled), type(e).__name__, e)
+            return [self._compute_alone(s, state) for s, state in zip(scheduled, rng)]
 
-    def _compute_alone(self, s: ScheduledRequest, is_decode: bool,
-                       rng_state: torch.Tensor | None) -> _Computed | Exception:
+    def _compute_alone(self, s: ScheduledRequest, rng_state: torch.Tensor | None) -> _Computed | Exception:
         """The request's share computed in a batch of its own, from the state the step began
         in: nothing was committed, and the failed pass wrote KV only past computed lengths,
         where this pass writes again. Its generator is rewound, so a seeded request draws the
         same numbers; the proposer's state, which a failed proposal may have left half-updated,
         is dropped and rebuilt from the committed tokens."""
-        r = s.request
         try:
             if rng_state is not None:
-                r.generator.set_state(rng_state)
-            if is_decode:
-                self._forget_drafts(r)
-                return self._decode([s])[0]
-            return self._prefill([s])[0]
+                s.request.generator.set_state(rng_state)
+            if s.decode:
+                self._forget_drafts(s.request)
+            return self._compute([s], learn=False)[0]
         except Exception as e:
             return e
 
-    def _prefill(self, chunks: list[ScheduledRequest]) -> list[_Computed]:
-        """Prompt chunks (of new, resumed or preempted requests); a chunk that reaches the
-        request's last token also samples its next token."""
-        reqs = [s.request for s in chunks]
-        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], [r.num_computed_tokens for r in reqs],
-                          [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens + s.num_new_tokens]
-                           for r, s in zip(reqs, chunks)], all_logits=False, keep_hidden=self.keep_hidden)
-        fwd = self.runner.forward_last(fb)
-        logits = fwd.logits  # [B, 1, V]
-        rows = [i for i, s in enumerate(chunks) if s.samples]
-        sampled: dict[int, int] = {}
-        if rows:
-            out = self._verify([reqs[i] for i in rows], DraftProposal.empty(len(rows), logits.device), logits[rows])
-            sampled = dict(zip(rows, out.output_token_ids[:, 0].tolist()))
-        return [_Computed([sampled[i]] if i in sampled else [],
-                          logits[i] if i in sampled and r.params.logprobs is not None else None,
-                          None if fwd.hidden is None else fwd.hidden[i])  # hidden: [chunk, H]
-                for i, r in enumerate(reqs)]
-
-    def _decode(self, scheduled: list[ScheduledRequest]) -> list[_Computed]:
+    def _compute(self, scheduled: list[ScheduledRequest], learn: bool) -> list[_Computed]:
+        """propose -> one forward pass -> verify, for these requests. Request i computes its
+        uncomputed tokens (a prompt chunk, or the last token: the root) plus its draft tree's
+        nodes; a request that samples this step gets logits at its last token and every node."""
         reqs = [s.request for s in scheduled]
-        slots = [s.num_draft for s in scheduled]
         t0 = time.perf_counter()
-        proposal = self._propose(reqs, slots)
+        trees, deepest = self._propose(scheduled)
         t1 = time.perf_counter()
-        if isinstance(proposal, DraftProposal) and self.typical_acceptance is not None:
-            proposal = proposal.as_trees()
-        if isinstance(proposal, DraftTreeProposal):
-            computed = self._verify_trees(reqs, slots, proposal.trees)
-        else:
-            computed = self._verify_chains(reqs, proposal)
-        self.runner.synchronize()
-        t2 = time.perf_counter()
-        for c in computed:
-            c.proposer_time_s, c.target_time_s = (t1 - t0) / len(reqs), (t2 - t1) / len(reqs)
-        return computed
-
-    def _propose(self, reqs: list[Request], slots: list[int]) -> DraftProposal | DraftTreeProposal:
-        """Drafts for the decoding requests within the slots the scheduler reserved
-        (Request.max_drafts, cut to the step's token budget): a chain of at most slots[i]
-        tokens, or a tree of at most slots[i] nodes and depth Request.max_depth. Proposers start
-        tracking a request on its first proposal, so they hold state only for running requests."""
-        device = self.runner.device
-        spec_rows = [i for i, r in enumerate(reqs) if r.num_speculative_tokens > 0]
-        if not spec_rows:
-            return DraftProposal.empty(len(reqs), device)
-        mml = self.config.max_model_len
-        batch = [SpecRequest(reqs[i].request_id, reqs[i].all_token_ids, min(reqs[i].max_depth(mml), slots[i]),
-                             reqs[i].params, reqs[i].generator, max_nodes=slots[i]) for i in spec_rows]
-        proposal = self.proposer.propose(batch)
-        if len(spec_rows) == len(reqs):
-            return proposal
-        if isinstance(proposal, DraftTreeProposal):
-            trees = [DraftTree.empty() for _ in reqs]
-            for j, i in enumerate(spec_rows):
-                trees[i] = proposal.trees[j]
-            return DraftTreeProposal(trees)
-        return proposal.scatter(spec_rows, len(reqs))
-
-    def _verify_chains(self, reqs: list[Request], proposal: DraftProposal) -> list[_Computed]:
-        n_draft = proposal.num_draft.tolist()
-        drafts = proposal.draft_token_ids.tolist()
-        fb = ForwardBatch(
-            [self.scheduler.block_table(r) for r in reqs],
-            [r.num_computed_tokens for r in reqs],
-            [r.all_token_ids[r.num_computed_tokens:] + drafts[i][: n_draft[i]] for i, r in enumerate(reqs)],
-            all_logits=True, keep_hidden=self.keep_hidden,
-        )
-        fwd = self.runner.forward(fb)  # logits [B, 1 + k_max, V]
-        out = self._verify(reqs, proposal, fwd.logits)
-        tokens = out.output_token_ids.tolist()
-        return [_Computed(tokens[i][: a + 1],
-                          fwd.logits[i, : a + 1] if r.params.logprobs is not None else None,
-                          None if fwd.hidden is None else fwd.hidden[i][: a + 1],
-                          decode=True, accepted_nodes=list(range(a)), num_draft=n_draft[i], depth=n_draft[i])
-                for i, (r, a) in enumerate(zip(reqs, out.num_accepted.tolist()))]
-
-    def _verify_trees(self, reqs: list[Request], slots: list[int], trees: list[DraftTree]) -> list[_Computed]:
-        """One pass over [root, nodes...] per request with tree masks; then the accepted path's
-        keys and values are moved to the slots right after the root, where the next steps (and
-        the prefix cache) expect the committed tokens."""
-        for r, tree, n in zip(reqs, trees, slots):
-            if tree.num_nodes > n or tree.max_depth > r.max_depth(self.config.max_model_len):
-                raise RuntimeError(f"proposer {self.proposer.name!r} drafted a tree of {tree.num_nodes} nodes and depth "
-                                   f"{tree.max_depth} for request {r.request_id!r}, which has {n} slots reserved "
-                                   f"and room for depth {r.max_depth(self.config.max_model_len)}")
-        tables = [self.scheduler.block_table(r) for r in reqs]
         starts = [r.num_computed_tokens for r in reqs]
-        fb = ForwardBatch(tables, starts, [r.all_token_ids[r.num_computed_tokens:] + t.token_ids for r, t in zip(reqs, trees)],
-                          all_logits=True, tree_masks=[t.attention_mask() if t.num_nodes else None for t in trees],
-                          keep_hidden=self.keep_hidden)
-        fwd = self.runner.forward(fb)  # logits [B, 1 + N_max, V]
-        st = SamplingTensors.from_params([r.params for r in reqs], fwd.logits.device)
-        out = tree_verify(trees, fwd.logits, st, [r.generator for r in reqs], self.typical_acceptance)
-        paths = out.accepted_nodes
-        # Node i's entry sits at slot start + 1 + i; path entry j belongs at start + 1 + j.
-        moved = [(t, [s + 1 + n for n in p], list(range(s + 1, s + 1 + len(p))))
-                 for t, s, p in zip(tables, starts, paths) if p != list(range(len(p)))]
+        tokens = [r.all_token_ids[c:c + s.num_new_tokens] + t.token_ids for r, s, c, t in zip(reqs, scheduled, starts, trees)]
+        samples = [s.samples for s in scheduled]
+        masks = [t.attention_mask() if t.num_nodes and not t.is_chain else None for t in trees]
+        fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], starts, tokens, all_logits=False,
+                          tree_masks=masks if any(m is not None for m in masks) else None, keep_hidden=self.keep_hidden)
+        fwd = self.runner.forward_rows(fb, [1 + t.num_nodes if s else 0 for s, t in zip(samples, trees)])
+        rows = [i for i, s in enumerate(samples) if s]
+        paths: dict[int, list[int]] = {}
+        emitted: dict[int, list[int]] = {}
+        if rows:
+            st = SamplingTensors.from_params([reqs[i].params for i in rows], fwd.logits.device)
+            out = verify_flat([trees[i] for i in rows], fwd.logits, [fwd.logit_start[i] for i in rows] + [fwd.logit_start[-1]],
+                              st, [reqs[i].generator for i in rows], self.typical_acceptance)
+            tokens_out = out.output_token_ids.tolist()
+            for j, i in enumerate(rows):
+                paths[i] = out.accepted_nodes[j]
+                emitted[i] = tokens_out[j][: len(paths[i]) + 1]
+        # A tree's accepted path is moved to the slots right after the root, where the next
+        # steps (and the prefix cache) expect the committed tokens; a chain's already is.
+        moved = [(fb.locations[i], [starts[i] + 1 + n for n in p], list(range(starts[i] + 1, starts[i] + 1 + len(p))))
+                 for i, p in paths.items() if p != list(range(len(p)))]
         if moved:
             self.runner.cache.move(*(list(m) for m in zip(*moved)))
-        tokens = out.output_token_ids.tolist()
-        rows = [[0] + [n + 1 for n in p] for p in paths]  # the root, then the accepted path
-        return [_Computed(tokens[i][: len(p) + 1],
-                          fwd.logits[i, rows[i]] if r.params.logprobs is not None else None,
-                          None if fwd.hidden is None else fwd.hidden[i][rows[i]],
-                          decode=True, accepted_nodes=p, num_draft=t.num_nodes, depth=t.max_depth)
-                for i, (r, t, p) in enumerate(zip(reqs, trees, paths))]
+        self.runner.synchronize()
+        t2 = time.perf_counter()
+        if learn and self.planner is not None:
+            shape = PassShape(0)
+            for c, toks in zip(starts, tokens):
+                shape.add(len(toks), c)
+            self.planner.observe_step(shape, t2 - t1, t1 - t0, deepest)
+        decoding = [s.decode for s in scheduled]
+        share = max(1, sum(decoding))
+        computed = []
+        for i, (r, s, t) in enumerate(zip(reqs, scheduled, trees)):
+            p = paths.get(i, [])
+            a, b = fwd.token_start[i], fwd.token_start[i + 1]
+            hidden = None
+            if fwd.hidden is not None:
+                # A prompt chunk's every token; a decode's root and accepted path.
+                hidden = fwd.hidden[a:b] if not s.decode else fwd.hidden[[a] + [a + 1 + n for n in p]]
+            logits = None
+            if i in emitted and r.params.logprobs is not None:
+                lo = fwd.logit_start[i]
+                logits = fwd.logits[[lo] + [lo + 1 + n for n in p]]  # row j scored committed token j
+            c = _Computed(emitted.get(i, []), logits, hidden, decode=s.decode, accepted_nodes=p,
+                          num_draft=t.num_nodes, depth=t.max_depth)
+            if s.decode:
+                c.proposer_time_s, c.target_time_s = (t1 - t0) / share, (t2 - t1) / share
+            computed.append(c)
+        return computed
 
-    def _verify(self, reqs: list[Request], proposal: DraftProposal, logits: torch.Tensor) -> VerifyOutput:
-        st = SamplingTensors.from_params([r.params for r in reqs], logits.device)
-        return verify(proposal.draft_token_ids.to(logits.device), proposal.num_draft.to(logits.device),
-                      proposal.draft_probs, logits, st, [r.generator for r in reqs])
+    def _propose(self, scheduled: list[ScheduledRequest]) -> tuple[list[DraftTree], int]:
+        """Draft trees for the step's requests (empty for prompt chunks and plain steps), and
+        the deepest. A request drafts within the slots the scheduler reserved (Request.max_drafts,
+        cut to the step's token budget): at most that many nodes, depth at most
+        Request.max_depth; adaptive requests draft the depth the planner chose. Chains come
+        back as one-path trees. Proposers start tracking a request on its first proposal."""
+        trees = [DraftTree.empty() for _ in scheduled]
+        mml = self.config.max_model_len
+        rows = [i for i, s in enumerate(scheduled)
+                if s.decode and s.num_draft > 0 and s.request.num_speculative_tokens > 0]
+        if not rows:
+            return trees, 0
+        depths = {i: min(scheduled[i].request.max_depth(mml), scheduled[i].num_draft) for i in rows}
+        planned = [i for i in rows if scheduled[i].request.adaptive]
+        if planned and self.planner is not None:
+            base = PassShape(0)
+            for s in scheduled:
+                base.add(s.num_new_tokens, s.request.num_computed_tokens)
+            plan = self.planner.plan(base, [PlanRow(scheduled[i].request.request_id, scheduled[i].request.num_computed_tokens,
+                                                    depths[i]) for i in planned])
+            depths.update(zip(planned, plan.depths))
+        rows = [i for i in rows if depths[i] > 0]
+        if not rows:
+            return trees, 0
+        batch = []
+        for i in rows:
+            r, slots = scheduled[i].request, scheduled[i].num_draft
+            nodes = self.planner.nodes(depths[i], slots) if r.adaptive and self.planner is not None else slots
+            batch.append(SpecRequest(r.request_id, r.all_token_ids, depths[i], r.params, r.generator, max_nodes=nodes))
+        proposal = self.proposer.propose(batch)
+        if isinstance(proposal, DraftProposal):
+            proposal = proposal.as_trees()
+        for i, tree, sr in zip(rows, proposal.trees, batch):
+            if tree.num_nodes > sr.max_nodes or tree.max_depth > sr.num_speculative_tokens:
+                raise RuntimeError(f"proposer {self.proposer.name!r} drafted a tree of {tree.num_nodes} nodes and depth "
+                                   f"{tree.max_depth} for request {sr.request_id!r}, which may have {sr.max_nodes} nodes "
+                                   f"and depth {sr.num_speculative_tokens}")
+            trees[i] = tree
+        return trees, max(depths[i] for i in rows)
 
-    def _commit(self, s: ScheduledRequest, c: _Computed, feedback: VerifyFeedback) -> None:
-        """Apply one request's computed share: its chunk or root becomes computed, its tokens
-        are appended under the stop rules, and a decode step's figures are recorded."""
+    def update(self, sched: SchedulerOutput, computed: list[_Computed | Exception]) -> list[RequestOutput]:
+        """Commit each request's share, hand its progress to the scheduler, and return the
+        outputs of requests that sampled or finished."""
+        feedback = VerifyFeedback([], [], [], [], [])
+        outputs = []
+        for s, c in zip(sched.scheduled, computed):
+            r = s.request
+            if isinstance(c, Exception):
+                self._fail(r, c)
+                committed = 0
+            else:
+                committed = self._guarded(r, self._commit, s, c, feedback) or 0
+            self._guarded(r, self.scheduler.update, s, committed)
+            if s.samples or r.finished:
+                # A failed request's output reads no parameter, so it cannot fail again.
+                outputs.append(self._guarded(r, self._output, r) or self._output(r))
+        self._observe(feedback)
+        for s in sched.scheduled:
+            if s.request.finished:
+                self._release(s.request)
+        return outputs
+
+    def _commit(self, s: ScheduledRequest, c: _Computed, feedback: VerifyFeedback) -> int:
+        """Apply one request's computed share: its tokens are appended under the stop rules,
+        its hidden states and figures recorded. Returns the tokens committed (its progress is
+        the scheduler's to move)."""
         r = s.request
-        start = r.num_computed_tokens  # the chunk's first position, or the root's
-        r.num_computed_tokens += s.num_new_tokens
         committed = []
         for tok in c.token_ids:
             committed.append(tok)
             if r.append_token(tok, self.config.max_model_len):
                 break
-        if committed:
-            # KV entries of rejected drafts stay past this count until the scheduler frees
-            # their slots; they are rewritten before any query can see them.
-            r.num_computed_tokens = r.num_tokens - 1
         if c.logits is not None:  # row j scored committed[j]
             r.logprobs.extend(token_logprobs(c.logits, committed, r.params.logprobs))
         if c.hidden is not None and r.num_speculative_tokens:
-            self.proposer.observe_hidden(r.request_id, start, c.hidden)
+            self.proposer.observe_hidden(r.request_id, r.num_computed_tokens, c.hidden)
         if not c.decode:
-            return
+            return len(committed)
         accepted = len(c.accepted_nodes)
         # A tree counts its depth as drafted (the most one pass can accept), so acceptance
         # by position reads as acceptance by depth.
         r.spec.record(c.depth, accepted, accepted + 1)
         r.spec.proposer_time_s += c.proposer_time_s
         r.spec.target_time_s += c.target_time_s
+        if self.planner is not None and c.depth:
+            self.planner.observe_verification(r.request_id, c.depth, accepted)
         if r.num_speculative_tokens:
             feedback.request_ids.append(r.request_id)
             feedback.num_draft.append(c.num_draft)
             feedback.num_accepted.append(accepted)
             feedback.committed_token_ids.append(committed)
             feedback.accepted_nodes.append(c.accepted_nodes)
+        return len(committed)
 
     def _observe(self, feedback: VerifyFeedback) -> None:
         """Verification results to the proposer; if it fails on the batch, each request's
@@ -397,6 +457,8 @@ class LLMEngine:
 
     def _forget_drafts(self, req: Request) -> None:
         """Drop the proposer's state of a request (finished, preempted, or computed again)."""
+        if self.planner is not None:
+            self.planner.forget(req.request_id)
         if not (self.proposer and req.num_speculative_tokens):
             return
         try:

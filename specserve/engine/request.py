@@ -37,6 +37,8 @@ class Request:
     # Draft slots a step reserves when the proposer drafts token trees: its node budget
     # (Proposer.num_draft_nodes). 0 for chains, which reserve num_speculative_tokens.
     num_draft_nodes: int = 0
+    # True: each step drafts the depth the engine's planner chooses, 0..num_speculative_tokens.
+    adaptive: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING

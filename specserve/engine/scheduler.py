@@ -32,11 +32,13 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
     num_draft: int = 0  # drafts (chain tokens or tree nodes) it may verify this step (decode only), slots reserved
+    decode: bool = False  # computes only the last token (+ drafts), then samples; else a prompt chunk
+    # Whether this step reaches the request's last token, so that it samples a new one (fixed
+    # when scheduled: the update moves the request's progress).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so that it samples a new one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -48,6 +50,11 @@ class SchedulerOutput:
     @property
     def empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        """Every request the step computes, prompt chunks first: the order of one pass."""
+        return self.prefill + self.decode
 
     @property
     def num_batched_tokens(self) -> int:
@@ -92,7 +99,7 @@ class Scheduler:
             if req.status is not Status.RUNNING:  # preempted itself: nothing left to give it room
                 break
             self.kv.allocate_slots(req.request_id, n + drafts)
-            (out.decode if to_compute == 1 else out.prefill).append(ScheduledRequest(req, n, drafts))
+            (out.decode if to_compute == 1 else out.prefill).append(ScheduledRequest(req, n, drafts, to_compute == 1))
             budget -= n + drafts
             i += 1
         if out.preempted:
@@ -109,8 +116,8 @@ class Scheduler:
             req.num_computed_tokens = cached
             req.status = Status.RUNNING
             self.running.append(req)
-            sr = ScheduledRequest(req, n)
-            (out.decode if n == 1 and req.num_tokens - cached == 1 else out.prefill).append(sr)
+            decode = n == 1 and req.num_tokens - cached == 1
+            (out.decode if decode else out.prefill).append(ScheduledRequest(req, n, decode=decode))
             budget -= n
         return out
 
@@ -124,9 +131,18 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def update(self, request: Request) -> None:
-        """After a step: the request's tokens below its computed length are committed (their
-        full blocks enter the prefix cache) and slots past it (rejected drafts) are freed."""
+    def update(self, scheduled: ScheduledRequest, num_committed: int) -> None:
+        """After a step that committed `num_committed` tokens to the request: its progress moves
+        (the scheduler is the only one to move it) past the chunk it computed, or to all its
+        tokens but the last when the step sampled; tokens below it are committed (full blocks
+        enter the prefix cache) and slots past it (rejected drafts) are freed. KV entries of
+        rejected drafts stay past the computed length until then; they are rewritten before
+        any query can see them."""
+        request = scheduled.request
+        if num_committed:
+            request.num_computed_tokens = request.num_tokens - 1
+        else:
+            request.num_computed_tokens += scheduled.num_new_tokens
         self.kv.commit(request.request_id, request.all_token_ids, request.num_computed_tokens)
         self.kv.rollback(request.request_id, request.num_computed_tokens)
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from specserve.model.attention import DenseKVCache
-from specserve.model.flat_batch import flat_batch
+from specserve.model.flat_batch import FlatBatch, flat_batch
 from specserve.model.llama import LlamaModel
 from specserve.model.paged_attention import PagedKVCache
 
@@ -33,6 +34,17 @@ class ForwardOutput:
     # Per request [T_i, hidden]: the final hidden states (after the last norm, the LM head's
     # input) of the tokens it computed, in order; None unless ForwardBatch.keep_hidden.
     hidden: list[torch.Tensor] | None
+
+
+@dataclass(slots=True)
+class FlatForwardOutput:
+    """A pass over flattened tokens (`ModelRunner.forward_rows`): request i computed tokens
+    [token_start[i], token_start[i + 1]) and has logits rows [logit_start[i], logit_start[i + 1])."""
+
+    logits: torch.Tensor  # float32 [M, V]: each request's last num_logits[i] tokens, request by request
+    logit_start: list[int]  # [B + 1]
+    hidden: torch.Tensor | None  # [N, hidden] final hidden states of every token (keep_hidden), else None
+    token_start: list[int]  # [B + 1]
 
 
 class ModelRunner:
@@ -83,8 +95,8 @@ class ModelRunner:
             hidden = hidden[torch.arange(len(lens), device=self.device), last].unsqueeze(1)  # [B, 1, hidden]
         return ForwardOutput(self.model.compute_logits(hidden), kept)
 
-    def _forward_flat(self, batch: ForwardBatch) -> ForwardOutput:
-        """The native model's pass: the batch's tokens flattened, no padding computed."""
+    def _hidden_flat(self, batch: ForwardBatch) -> tuple[torch.Tensor, FlatBatch]:
+        """hidden [N, hidden] of the batch's tokens flattened (no padding computed)."""
         if isinstance(self.cache, PagedKVCache):
             tables, block_size = batch.locations, self.cache.block_size
         else:  # a dense slot is one block of `stride` rows
@@ -93,6 +105,11 @@ class ModelRunner:
         k, v = self.cache.k, self.cache.v  # [layers, blocks, block_size, Hkv, D] or [layers, rows, Hkv, D]
         hidden = self.model.forward_flat(flat, k.view(k.shape[0], -1, *k.shape[-2:]),
                                          v.view(v.shape[0], -1, *v.shape[-2:]))  # [N, hidden]
+        return hidden, flat
+
+    def _forward_flat(self, batch: ForwardBatch) -> ForwardOutput:
+        """The native model's pass: the batch's tokens flattened, no padding computed."""
+        hidden, flat = self._hidden_flat(batch)
         starts = flat.q_start.tolist()
         kept = [hidden[a:b] for a, b in zip(starts, starts[1:])] if batch.keep_hidden else None
         if not batch.all_logits:
@@ -106,6 +123,28 @@ class ModelRunner:
         padded = logits.new_zeros(len(lens) * t, logits.shape[-1])
         rows = torch.cat([torch.arange(i * t, i * t + n) for i, n in enumerate(lens)])
         return ForwardOutput(padded.index_copy_(0, rows, logits).view(len(lens), t, -1), kept)
+
+    @torch.inference_mode()
+    def forward_rows(self, batch: ForwardBatch, num_logits: list[int]) -> FlatForwardOutput:
+        """One pass over every request's tokens, flattened (prompt chunks, decode tokens, draft
+        chains and trees side by side), with logits only where asked: at request i's last
+        num_logits[i] tokens (0: none, e.g. a prompt chunk that samples nothing). The engine's
+        step is this one call."""
+        lens = [len(t) for t in batch.token_ids]
+        if any(not 0 <= n <= q for n, q in zip(num_logits, lens)) or len(num_logits) != len(lens):
+            raise ValueError(f"num_logits {num_logits} must give each request 0..its token count {lens}")
+        token_start = [0, *accumulate(lens)]
+        logit_start = [0, *accumulate(num_logits)]
+        rows = [j for e, n in zip(token_start[1:], num_logits) for j in range(e - n, e)]
+        if hasattr(self.model, "forward_flat"):
+            hidden, _ = self._hidden_flat(batch)  # [N, hidden]
+        else:  # a padded pass, flattened afterwards
+            padded = self.forward(ForwardBatch(batch.locations, batch.start_positions, batch.token_ids, all_logits=True,
+                                               tree_masks=batch.tree_masks, keep_hidden=True))
+            hidden = torch.cat(padded.hidden)
+        index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index)) if rows else hidden.new_zeros(0, 0)
+        return FlatForwardOutput(logits.float(), logit_start, hidden if batch.keep_hidden else None, token_start)
 
     def forward_last(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits at each request's last token [B, 1, V], for a batch of ragged lengths (prompt

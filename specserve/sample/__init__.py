@@ -4,7 +4,7 @@ from specserve.sample.logits import SamplingTensors, processed_probs
 from specserve.sample.reference import reference_verify
 from specserve.sample.sampler import draw_noise, make_generator, race, sample
 from specserve.sample.tree_reference import reference_tree_verify
-from specserve.sample.tree_verifier import TreeVerifyOutput, tree_verify
+from specserve.sample.tree_verifier import TreeVerifyOutput, tree_verify, verify_flat
 from specserve.sample.verifier import VerifyOutput, verify
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "sample",
     "tree_verify",
     "verify",
+    "verify_flat",
 ]

@@ -78,6 +78,45 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     return TreeVerifyOutput(out.to(device), torch.tensor([len(p) for p in paths], device=device), paths)
 
 
+def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[int], st: SamplingTensors,
+                generators: list[torch.Generator | None], typical: TypicalAcceptance | None = None) -> TreeVerifyOutput:
+    """`tree_verify` for logits of a flattened pass: logits [M, V] raw, row b's root at row
+    logit_start[b] and its node i at logit_start[b] + 1 + i (a chain is a one-path tree, a
+    plain step or a prompt's last token an empty one). Nothing is padded for greedy rows;
+    sampled rows are verified by `tree_verify` on a padded copy of theirs alone (their
+    random numbers come from their own generators, so the result is theirs whatever else is
+    in the batch)."""
+    rows = len(trees)
+    if len(logit_start) != rows + 1 or any(logit_start[b + 1] - logit_start[b] != 1 + t.num_nodes
+                                           for b, t in enumerate(trees)):
+        raise ValueError(f"logit_start {logit_start} must give each tree 1 + its nodes rows "
+                         f"({[1 + t.num_nodes for t in trees]})")
+    if len(generators) != rows:
+        raise ValueError(f"{len(generators)} generators for {rows} rows")
+    paths: list[list[int]] = [[] for _ in range(rows)]
+    emitted = [0] * rows
+    greedy = [b for b in range(rows) if st.greedy_rows[b]]
+    if greedy:
+        argmax = logits.argmax(-1).tolist()  # [M]
+        for b in greedy:
+            tree, off = trees[b], logit_start[b]
+            paths[b] = tree.longest_path(lambda c, parent, tree=tree, off=off: tree.token_ids[c] == argmax[off + parent])
+            emitted[b] = argmax[off + (paths[b][-1] + 1 if paths[b] else 0)]
+    sampled = [b for b in range(rows) if not st.greedy_rows[b]]
+    if sampled:
+        width = 1 + max(trees[b].num_nodes for b in sampled)
+        # Past a tree's own nodes a row repeats its root's logits (never read).
+        index = torch.tensor([[logit_start[b] + (j if j <= trees[b].num_nodes else 0) for j in range(width)] for b in sampled], device=logits.device)
+        sub = tree_verify([trees[b] for b in sampled], logits[index], st.select(sampled),
+                          [generators[b] for b in sampled], typical)
+        for j, b in enumerate(sampled):
+            paths[b] = sub.accepted_nodes[j]
+            emitted[b] = int(sub.output_token_ids[j, len(paths[b])])
+    depth = max((t.max_depth for t in trees), default=0)
+    out = [[trees[b].token_ids[i] for i in p] + [emitted[b]] + [-1] * (depth - len(p)) for b, p in enumerate(paths)]
+    return TreeVerifyOutput(torch.tensor(out, dtype=torch.long), torch.tensor([len(p) for p in paths]), paths)
+
+
 def _verify_sampled(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
                     generators: list[torch.Generator | None], sampled: list[int],
                     paths: list[list[int]], emitted: list[int]) -> None:

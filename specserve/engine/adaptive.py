@@ -1,0 +1,201 @@
+"""Adaptive speculation: every step, each speculating request's draft length is chosen to
+maximise the whole batch's expected committed tokens per second.
+
+Inputs: the pass cost model (engine/cost_model.py) and, per request, the chance that draft
+position j is accepted given that positions before it were (its own verifications, decayed so
+that it follows the text, shrunk toward the method-wide rate while it has few of its own).
+A request drafting k tokens is expected to commit 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens.
+
+The choice: start from no drafts, then add draft tokens one at a time, always the one with the
+largest expected gain (the next position of some request; gains only shrink along a request's
+positions), pricing the pass after each addition; keep the prefix of additions whose ratio
+(expected tokens) / (pass time + drafting time) is highest. With a linear price this greedy is
+exact; the cost table's steps (row tiles filling) are why every prefix is priced, not just the
+first that stops paying. Large batches make each token's price high relative to a pass that
+already yields a token per request, so speculation switches itself off there; a request whose
+drafts stop being accepted stops drafting; both come back when the numbers change.
+
+A request that drafts nothing learns nothing, so one that has not drafted for PROBE_EVERY
+steps drafts one token (about 1/PROBE_EVERY of a token's price per step).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from specserve.engine.cost_model import PassCostModel, PassShape
+
+# The method-wide rate counts as this many of a request's own observations.
+PRIOR_STRENGTH = 2.0
+# A request's observations fade by this factor per verification (its text changes character);
+# the method-wide estimate fades slower.
+REQUEST_DECAY = 0.9
+METHOD_DECAY = 0.995
+# Acceptance assumed before anything was verified: drafting starts where a token is cheap and
+# learns from there.
+INITIAL_ACCEPTANCE = 0.5
+PROBE_EVERY = 16
+# Drafting time per step is an exponential average per draft depth.
+PROPOSER_RATE = 0.2
+
+
+@dataclass(slots=True)
+class AcceptanceEstimate:
+    """Decayed counts of draft positions verified and accepted (position 0 = the first draft)."""
+
+    decay: float
+    drafted: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, depth: int, num_accepted: int) -> None:
+        """A verification that could accept up to `depth` drafts accepted `num_accepted`:
+        positions before it were accepted, position num_accepted (if drafted) was not, later
+        positions were never tested."""
+        tested = min(depth, num_accepted + 1)
+        if tested > len(self.drafted):
+            self.drafted.extend([0.0] * (tested - len(self.drafted)))
+            self.accepted.extend([0.0] * (tested - len(self.accepted)))
+        for j in range(len(self.drafted)):
+            self.drafted[j] *= self.decay
+            self.accepted[j] *= self.decay
+        for j in range(tested):
+            self.drafted[j] += 1.0
+            self.accepted[j] += j < num_accepted
+
+    def rates(self, prior: list[float], strength: float) -> list[float]:
+        """Acceptance by position, each shrunk toward `prior` (same length as the result)."""
+        out = []
+        for j, p in enumerate(prior):
+            d = self.drafted[j] if j < len(self.drafted) else 0.0
+            a = self.accepted[j] if j < len(self.accepted) else 0.0
+            out.append((a + strength * p) / (d + strength))
+        return out
+
+
+@dataclass(slots=True)
+class PlanRow:
+    """One decoding request as the planner sees it."""
+
+    request_id: str
+    context: int  # tokens in its cache before this step's root
+    max_depth: int  # the most drafts it may verify this step (slots reserved, room left)
+
+
+@dataclass(slots=True)
+class Plan:
+    depths: list[int]  # per row, the draft length chosen (0: a plain decode step)
+    expected_tokens: float  # committed tokens the batch is expected to yield
+    predicted_s: float  # the pass and drafting time priced for it
+
+
+class SpeculationPlanner:
+    """Chooses draft lengths (`plan`) and learns from what each step did (`observe_*`)."""
+
+    def __init__(self, cost: PassCostModel, max_depth: int, tokens_per_depth: float = 1.0):
+        self.cost = cost
+        self.max_depth = max_depth
+        # Tree proposers verify several nodes per depth: a depth costs that many tokens.
+        self.tokens_per_depth = tokens_per_depth
+        self.method = AcceptanceEstimate(METHOD_DECAY)
+        self.requests: dict[str, AcceptanceEstimate] = {}
+        self.idle_steps: dict[str, int] = {}
+        self.proposer_s: list[float | None] = [None] * (max_depth + 1)  # by the step's deepest draft
+        self.chosen = [0] * (max_depth + 1)  # request-steps per chosen depth, for the figures
+
+    # ---- choosing ---------------------------------------------------------------------------
+
+    def method_rates(self) -> list[float]:
+        return self.method.rates([INITIAL_ACCEPTANCE] * self.max_depth, PRIOR_STRENGTH)
+
+    def plan(self, base: PassShape, rows: list[PlanRow]) -> Plan:
+        """Draft lengths for `rows`, given the rest of the pass (`base`: prompt chunks and one
+        token per decoding request, already counted)."""
+        prior = self.method_rates()
+        heap: list[tuple[float, int, int]] = []  # (-gain of the next position, row, position)
+        gains: list[list[float]] = []
+        for i, r in enumerate(rows):
+            est = self.requests.get(r.request_id)
+            rates = est.rates(prior, PRIOR_STRENGTH) if est is not None else prior
+            g, row = 1.0, []
+            for a in rates[: r.max_depth]:
+                g *= a
+                row.append(g)
+            gains.append(row)
+            if row:
+                heapq.heappush(heap, (-row[0], i, 0))
+        shape = PassShape(base.num_tokens, base.keys_read, base.query_keys)
+        expected = float(len(rows))
+        depths = [0] * len(rows)
+        best_t = self.cost.predict(shape)
+        best = (expected / best_t, list(depths), expected, best_t)
+        deepest = 0
+        while heap:
+            neg, i, j = heapq.heappop(heap)
+            if -neg < 1e-3:
+                break
+            w = self.tokens_per_depth
+            n_before = 1 + w * j  # the row's tokens in the pass before this position
+            shape.num_tokens += w
+            shape.keys_read += w
+            shape.query_keys += w * (rows[i].context + n_before) + w * (w + 1) / 2
+            expected += -neg
+            depths[i] = j + 1
+            deepest = max(deepest, j + 1)
+            t = self.cost.predict(shape) + self.drafting_s(deepest)
+            if expected / t > best[0]:
+                best = (expected / t, list(depths), expected, t)
+            if j + 1 < len(gains[i]):
+                heapq.heappush(heap, (-gains[i][j + 1], i, j + 1))
+        depths = best[1]
+        for i, r in enumerate(rows):  # probes: requests that have not drafted for a while
+            if depths[i] == 0 and r.max_depth > 0:
+                idle = self.idle_steps.get(r.request_id, 0) + 1
+                self.idle_steps[r.request_id] = idle
+                if idle >= PROBE_EVERY:
+                    depths[i] = 1
+            if depths[i]:
+                self.idle_steps[r.request_id] = 0
+            self.chosen[depths[i]] += 1
+        return Plan(depths, best[2], best[3])
+
+    def drafting_s(self, depth: int) -> float:
+        """Drafting time of a step whose deepest draft is `depth` (0 for no drafting): the
+        measured average at that depth, else scaled from the nearest measured depth."""
+        if depth == 0:
+            return 0.0
+        known = [(d, t) for d, t in enumerate(self.proposer_s) if t is not None and d > 0]
+        if not known:
+            return 0.0
+        for d, t in known:
+            if d == depth:
+                return t
+        d, t = min(known, key=lambda dt: abs(dt[0] - depth))
+        return t * depth / d
+
+    def nodes(self, depth: int, slots: int) -> int:
+        """Tree nodes to draft at this depth (chains: the depth), within the slots reserved."""
+        return min(slots, max(depth, math.ceil(depth * self.tokens_per_depth)))
+
+    # ---- learning ---------------------------------------------------------------------------
+
+    def observe_verification(self, request_id: str, depth: int, num_accepted: int) -> None:
+        """A request's verification: it could accept `depth` drafts, it accepted `num_accepted`."""
+        if depth <= 0:
+            return
+        est = self.requests.get(request_id)
+        if est is None:
+            est = self.requests[request_id] = AcceptanceEstimate(REQUEST_DECAY)
+        est.observe(depth, num_accepted)
+        self.method.observe(depth, num_accepted)
+
+    def observe_step(self, shape: PassShape, pass_s: float, drafting_s: float, deepest: int) -> None:
+        self.cost.observe(shape, pass_s)
+        if deepest > 0:
+            old = self.proposer_s[deepest]
+            self.proposer_s[deepest] = drafting_s if old is None else old + PROPOSER_RATE * (drafting_s - old)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self.idle_steps.pop(request_id, None)

@@ -1,0 +1,202 @@
+"""Adaptive speculation: the pass cost model, the acceptance estimates and the planner (pure
+Python, with made-up costs), then the engine choosing draft lengths, losslessly."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from specserve.engine import adaptive as adaptive_module
+from specserve.engine import cost_model as cost_module
+from specserve.engine.adaptive import PROBE_EVERY, AcceptanceEstimate, PlanRow, SpeculationPlanner
+from specserve.engine.cost_model import KNOTS, PassCostModel, PassShape
+from specserve.errors import InvalidParameterError
+from tests.test_engine_paged import alone, assert_all_blocks_free
+from tests.test_spec_e2e import tiny_prompts
+
+
+def linear_cost(fixed: float, per_token: float, per_read: float = 0.0) -> PassCostModel:
+    return PassCostModel([fixed + per_token * k for k in KNOTS], per_read=per_read)
+
+
+# ---- the cost model -------------------------------------------------------------------------
+
+def test_pass_shape_counts_tokens_keys_and_pairs():
+    s = PassShape(0)
+    s.add(3, 10)  # three tokens after ten cached: keys 13 read, pairs 11 + 12 + 13
+    s.add(1, 5)
+    assert (s.num_tokens, s.keys_read, s.query_keys) == (4, 19, 36 + 6)
+
+
+def test_base_time_interpolates_extrapolates_and_never_falls():
+    m = PassCostModel([1.0] * len(KNOTS))
+    m.base[KNOTS.index(8)] = 0.5  # a noisy knot below its neighbour
+    assert m.base_time(8) == 1.0  # priced as its left neighbour: adding tokens never looks free
+    lin = linear_cost(2.0, 0.5)
+    assert lin.base_time(7) == pytest.approx(5.5)  # between knots 6 and 8
+    assert lin.base_time(4096) == pytest.approx(2.0 + 0.5 * 4096)  # past the table, along its slope
+    assert lin.predict(PassShape(4, 100, 0)) == pytest.approx(4.0)
+    assert linear_cost(2.0, 0.5, per_read=0.01).predict(PassShape(4, 100, 0)) == pytest.approx(5.0)
+
+
+def test_observations_move_the_knots_toward_the_measured_time_and_clip_outliers():
+    m = linear_cost(1.0, 0.0)
+    for _ in range(200):
+        m.observe(PassShape(4), 1.5)
+    assert m.base_time(4) == pytest.approx(1.5, rel=1e-3)
+    assert m.base[KNOTS.index(64)] == pytest.approx(1.0)  # far knots are not this step's to move
+    before = m.base_time(4)
+    m.observe(PassShape(4), 1000.0)  # a stall: counted as at most twice the prediction
+    assert m.base_time(4) <= before + cost_module.LEARNING_RATE * before + 1e-9
+    m.observe(PassShape(5000), 1.0)  # past the table: counted, moves nothing
+    assert m.num_observed == 202 and m.base_time(4) <= before * 1.1
+
+
+def test_measure_recovers_the_costs_of_a_known_machine(monkeypatch):
+    """measure() on a fake clock that charges a known pass cost per (tokens, context) request list."""
+    clock = [0.0]
+    monkeypatch.setattr(cost_module.time, "perf_counter", lambda: clock[0])
+
+    def run(requests):
+        shape = PassShape(0)
+        for n, c in requests:
+            shape.add(n, c)
+        clock[0] += 0.004 + 0.0002 * shape.num_tokens + 3e-6 * shape.keys_read + 5e-7 * shape.query_keys
+    m = PassCostModel.measure(run, max_tokens=32, max_context=1024)
+    # base(N) absorbs the tiny context of the probe passes; the context terms come out exact.
+    assert m.per_read == pytest.approx(3e-6, rel=1e-3) and m.per_query_key == pytest.approx(5e-7, rel=1e-3)
+    assert m.base_time(16) == pytest.approx(0.004 + 0.0002 * 16, rel=1e-3)
+    assert m.base_time(48) > m.base_time(32)  # past the probe, along the last measured slope
+    assert "measured at start-up" in m.describe()
+
+
+# ---- acceptance estimates and the planner ---------------------------------------------------
+
+def test_acceptance_counts_tested_positions_only():
+    e = AcceptanceEstimate(decay=1.0)
+    e.observe(depth=4, num_accepted=1)  # position 0 accepted, 1 rejected, 2 and 3 never tested
+    e.observe(depth=4, num_accepted=4)
+    assert e.drafted == [2, 2, 1, 1] and e.accepted == [2, 1, 1, 1]
+    assert e.rates([0.5] * 4, strength=0.0) == [1.0, 0.5, 1.0, 1.0]
+    assert e.rates([0.5] * 5, strength=2.0)[4] == 0.5  # untested: the prior
+
+
+def learned(planner: SpeculationPlanner, rid: str, depth: int, accepted: int, times: int = 30) -> None:
+    for _ in range(times):
+        planner.observe_verification(rid, depth, accepted)
+
+
+def test_cheap_tokens_and_good_acceptance_draft_deep():
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=8)
+    learned(p, "a", 8, 8)
+    plan = p.plan(PassShape(1, 100, 100), [PlanRow("a", 100, 8)])
+    assert plan.depths == [8] and plan.expected_tokens > 8
+
+
+def test_poor_acceptance_or_expensive_tokens_switch_speculation_off():
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=8)
+    learned(p, "a", 8, 0)
+    assert p.plan(PassShape(1), [PlanRow("a", 100, 8)]).depths == [0]
+    # A batch of 64 on a machine where a token costs as much as the pass's fixed part: a pass
+    # already yields ~1 token per token computed, and half-accepted drafts yield less.
+    q = SpeculationPlanner(linear_cost(1e-3, 1e-3), max_depth=8)
+    rows = [PlanRow(f"r{i}", 100, 8) for i in range(64)]
+    for r in rows:
+        for i in range(30):
+            q.observe_verification(r.request_id, 8, i % 2)
+    assert q.plan(PassShape(64), rows).depths == [0] * 64
+    assert q.plan(PassShape(1), rows[:1]).depths[0] > 0  # alone, the same drafts pay
+
+
+def test_each_request_drafts_by_its_own_acceptance():
+    p = SpeculationPlanner(linear_cost(5e-3, 2e-4), max_depth=8)
+    learned(p, "copying", 8, 8)
+    learned(p, "writing", 8, 0)
+    depths = p.plan(PassShape(2), [PlanRow("copying", 50, 8), PlanRow("writing", 50, 8)]).depths
+    assert depths[0] >= 4 and depths[1] == 0
+    assert p.plan(PassShape(2), [PlanRow("copying", 50, 3), PlanRow("writing", 50, 8)]).depths[0] == 3  # its slots
+
+
+def test_a_request_that_stopped_drafting_probes_again():
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=8)
+    learned(p, "a", 8, 0)
+    depths = [p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0] for _ in range(2 * PROBE_EVERY)]
+    assert depths.count(1) == 2 and set(depths) == {0, 1}
+    assert sum(p.chosen) == 2 * PROBE_EVERY and p.chosen[1] == 2
+
+
+def test_drafting_time_is_priced_and_trees_cost_their_nodes():
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=6, tokens_per_depth=2.0)
+    assert p.nodes(3, slots=12) == 6 and p.nodes(3, slots=4) == 4
+    learned(p, "a", 6, 6)
+    deep = p.plan(PassShape(1), [PlanRow("a", 10, 6)]).depths[0]
+    for d in range(1, 7):  # drafting that costs ten passes per depth never pays
+        p.observe_step(PassShape(1), 5e-3, 5e-2 * d, d)
+    assert deep > 0 and p.plan(PassShape(1), [PlanRow("a", 10, 6)]).depths == [0]
+    assert p.drafting_s(0) == 0.0
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+def test_auto_is_the_default_with_a_cap_per_method():
+    c = SpeculativeConfig.from_dict({"method": "ngram"})
+    assert c.adaptive and c.k == AUTO_MAX_SPECULATIVE_TOKENS["ngram"]
+    assert SpeculativeConfig.from_dict({"method": "ngram", "max_speculative_tokens": 3}).k == 3
+    fixed = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 5})
+    assert not fixed.adaptive and fixed.k == 5
+    with pytest.raises(InvalidParameterError, match="'auto'"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "many"})
+    with pytest.raises(InvalidParameterError, match="max_speculative_tokens"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "max_speculative_tokens": 8})
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_adaptive_greedy_equals_plain_and_reports_the_chosen_depths(tiny, max_num_seqs):
+    prompts = tiny_prompts(6)
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram"}, max_num_seqs=max_num_seqs)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone(tiny, prompts, GREEDY)
+    stats = llm.engine.stats()
+    assert sum(stats.draft_depth_counts) > 0 and "pass cost" in stats.cost_model
+    assert len(stats.draft_depth_counts) == AUTO_MAX_SPECULATIVE_TOKENS["ngram"] + 1
+    assert_all_blocks_free(llm)
+
+
+def tiny_engine(tiny, cost: PassCostModel, **spec) -> LLM:
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram", **spec}, max_num_seqs=4)
+    llm.engine.planner.cost = cost
+    return llm
+
+
+def test_speculation_switches_off_where_it_does_not_pay_and_on_where_it_does(tiny, monkeypatch):
+    """The same engine and prompts under two machines: on one a draft token costs a whole pass
+    (drafting stops after the probes), on the other drafts are nearly free (drafting goes on).
+    Outputs are plain's either way."""
+    prompts = tiny_prompts(4)
+    expected = alone(tiny, prompts, GREEDY)
+    monkeypatch.setattr(cost_module, "LEARNING_RATE", 0.0)  # keep the made-up machine
+    dear = tiny_engine(tiny, linear_cost(1e-3, 1e-3))
+    outs = dear.generate(prompts, GREEDY, use_tqdm=False)
+    chosen = dear.engine.stats().draft_depth_counts
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(chosen[2:]) == 0 and chosen[1] <= sum(chosen) // (PROBE_EVERY - 1) + len(prompts)
+    cheap = tiny_engine(tiny, linear_cost(1e-2, 1e-6))
+    outs = cheap.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert cheap.engine.stats().mean_draft_depth > 1.0
+
+
+def test_a_request_with_its_own_k_is_not_planned(tiny):
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram"}, max_num_seqs=2)
+    llm.engine.add_request("fixed", tiny_prompts(1)[0], GREEDY, num_speculative_tokens=3)
+    llm.engine.add_request("auto", tiny_prompts(2)[1], GREEDY)
+    assert not llm.engine.requests["fixed"].adaptive and llm.engine.requests["auto"].adaptive
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert "fixed" not in llm.engine.planner.requests
