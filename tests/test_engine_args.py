@@ -167,3 +167,16 @@ def test_llm_takes_a_config_file_and_its_own_arguments_win(tmp_path, tiny):
     assert llm.engine_config.max_num_seqs == 4 and llm.engine_config.max_num_batched_tokens == 2048
     with pytest.raises(InvalidParameterError, match="unknown keys max_num_seq"):
         LLM(loaded=tiny["loaded"], config=write(tmp_path, {"max_num_seq": 4}))
+
+
+def test_the_file_specserve_tune_writes_loads_with_config(tmp_path, capsys, tiny):
+    work = write(tmp_path, "".join(json.dumps({"turns": [f"t{3 + i} t4 t5 t{3 + i} t4 t5"]}) + "\n" for i in range(2)),
+                 "w.jsonl")
+    out = tmp_path / "tuned.json"
+    assert main(["tune", "--model", tiny["target"], "--workload", work, "--num-prompts", "2", "--methods", "none,ngram",
+                 "--max-tokens", "6", "--output", str(out)]) == 0
+    file = load_config_file(out)
+    assert file["model"] == tiny["target"] and file["max_num_seqs"] == 1
+    capsys.readouterr()
+    assert main(["generate", "t5 t9 t5 t9", "--config", str(out), "--max-tokens", "4"]) == 0
+    assert f"Loading {tiny['target']}" in capsys.readouterr().err
