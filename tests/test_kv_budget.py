@@ -3,10 +3,13 @@ kv_budget.available_memory, replaced here): the default is cut to a share of it,
 size that does not fit is refused with the figures, and the pool says where its size came from."""
 
 import pytest
+import torch
 
+from specserve import native
 from specserve.kv import budget as kv_budget
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
+from specserve.model.loader import load_model
 
 
 @pytest.fixture
@@ -60,3 +63,17 @@ def test_explicit_pool_larger_than_available_memory_is_refused(tiny, block_bytes
 
 def test_available_memory_is_read_from_the_os(tiny):
     assert kv_budget.available_memory(tiny["loaded"].model.device) > 0
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+def test_a_native_models_float16_pool_holds_twice_the_tokens(tiny, block_bytes, monkeypatch):
+    """The native model keeps K and V as float16 (its kv_dtype): a block takes half the bytes of
+    the torch path's float32 one, so the same memory holds twice the blocks, and the pool says
+    what it stores."""
+    with_memory(monkeypatch, block_bytes * 100)
+    fp32 = LLM(loaded=tiny["loaded"], max_model_len=128, max_num_seqs=256)
+    fp16 = LLM(loaded=load_model(tiny["target"], quantization="int8"), max_model_len=128, max_num_seqs=256)
+    assert fp16.engine.runner.cache.k.dtype == torch.float16 and fp16.kv_budget.block_bytes * 2 == block_bytes
+    assert fp32.engine.scheduler.pool.num_blocks == 49 and fp16.engine.scheduler.pool.num_blocks == 99
+    assert fp16.engine.runner.cache.nbytes() <= block_bytes * 50
+    assert "tokens, float16, " in fp16.kv_budget.describe() and "tokens, float32, " in fp32.kv_budget.describe()

@@ -1,5 +1,5 @@
 """specserve's native layer kernels (specserve/native/csrc/layer_ops.h): RMSNorm, RoPE, SiLU x up,
-exp_ps and paged attention.
+exp_ps, the KV pool's float -> half rounding and paged attention over float16 pools.
 
 Two kinds of test, kept apart:
 - tolerance: each kernel against a float64 torch reference, within float32 rounding (exp_ps within
@@ -7,13 +7,15 @@ Two kinds of test, kept apart:
 - exact: every CPU level this machine has gives the generic C++'s bits; a query's attention output
   is the same bits whatever else shares the call (other sequences, more query tokens, partners); a
   token-tree query equals the causal-chain query of its accepted path; RoPE equals the torch
-  path's bits (the same products and sums).
+  path's bits (the same products and sums); rounding to half gives numpy's (= IEEE
+  round-to-nearest-even) bits on edge values at every level.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,14 +74,14 @@ class Seq:
 
 @dataclass
 class Pool:
-    k: torch.Tensor  # [blocks, block_size, kv_heads, head_dim]
+    k: torch.Tensor  # [blocks, block_size, kv_heads, head_dim] float16, as the native model keeps them
     v: torch.Tensor
 
     @classmethod
     def random(cls, blocks: int, block_size: int, kv_heads: int, head_dim: int, seed: int) -> Pool:
         g = torch.Generator().manual_seed(seed)
         shape = (blocks, block_size, kv_heads, head_dim)
-        return cls(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+        return cls(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
 
     def slot(self, seq: Seq, p: int) -> tuple[int, int]:
         bs = self.k.shape[1]
@@ -111,7 +113,8 @@ def attend(level: int, q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: floa
 
 
 def reference(q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float) -> torch.Tensor:
-    """Explicit softmax over each query's visible slots, in float64."""
+    """Explicit softmax over each query's visible slots, in float64 (the pool's halves widened
+    exactly, so the kernels' float32 rounding is all that differs)."""
     heads, kv_heads = q.shape[1], pool.k.shape[2]
     out, row = [], 0
     for s in seqs:
@@ -186,6 +189,41 @@ def test_attention_matches_float64(block_size):
 
 
 # ---- exact: the same bits at every level, whatever shares the call ----------------------------
+
+
+def half_edge_values() -> torch.Tensor:
+    """float32 values where rounding to half is delicate, as bits -> float32 [n]."""
+    f = np.float32
+    values = [0.0, -0.0, 1.0, -1.0, 65504.0, -65504.0,
+              65519.996,  # just under the halfway point past the largest half: 65504
+              65520.0, -65520.0, 1e10, np.inf, -np.inf,  # halfway and beyond: infinity
+              2.0 ** -14, 2.0 ** -14 * (1 - 2.0 ** -12),  # smallest normal half; just below it rounds up to it
+              2.0 ** -24, 2.0 ** -25, 2.0 ** -25 * (1 + 2.0 ** -20), 3 * 2.0 ** -25, 5 * 2.0 ** -25,  # subnormal ties
+              2.0 ** -26, 1e-45, -1e-45, 2.0 ** -126,  # round to (signed) zero; float subnormals
+              1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -11 + 2.0 ** -23,  # ties to even, just past a tie
+              2049.0, 2051.0, -2051.0, 0.1, -3.14159, 1000.37]
+    x = torch.tensor(np.array(values, dtype=f))
+    return torch.cat([x, x[:13]])  # 45 values: two vectors and a scalar tail at every level
+
+
+def test_rounding_to_half_is_round_to_nearest_even_at_every_level():
+    """The KV pool's float -> half conversion: numpy's bits (IEEE round to nearest, ties to even,
+    subnormal halves, overflow to infinity) at every level, vector body and scalar tail alike;
+    a NaN keeps its sign and top payload bits and becomes quiet, as F16C's cvtps_ph makes it."""
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(4001, generator=g) * torch.exp2(torch.randint(-30, 18, (4001,), generator=g).float())
+    nans = torch.tensor([0x7FC00000, 0x7F800001, 0xFFC12345 - (1 << 32), 0x7FBFE000], dtype=torch.int32)
+    for x in (half_edge_values(), wide):
+        with np.errstate(over="ignore"):  # overflowing to infinity is what is tested
+            want = torch.from_numpy(x.numpy().astype(np.float16))
+        for level in LEVELS:
+            got = ext.to_half(level, x)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"level {level}"
+            assert torch.equal(got.float()[x.abs() <= 65504], x[x.abs() <= 65504].half().float())
+    expected_nan = torch.tensor([0x7E00, 0x7E00, 0xFE09 - (1 << 16), 0x7FFF], dtype=torch.int16)
+    for level in LEVELS:
+        got = ext.to_half(level, torch.cat([nans.view(torch.float32)] * 5))  # 20: a vector and a tail
+        assert torch.equal(got.view(torch.int16), torch.cat([expected_nan] * 5)), f"level {level}"
 
 
 @pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
@@ -293,6 +331,8 @@ def test_bad_inputs_are_refused_with_a_reason():
         ext.paged_attention(0, q, pool.k, pool.v, **call, tree_row=torch.tensor([-1, -1]))
     with pytest.raises(RuntimeError, match="cannot share"):
         ext.paged_attention(0, torch.randn(2, 8, 64), pool.k, pool.v, **call)
+    with pytest.raises(RuntimeError, match="must be contiguous float16"):
+        ext.paged_attention(0, q, pool.k.float(), pool.v.float(), **call)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         ext.rmsnorm(0, torch.randn(2, 40), torch.ones(40), 1e-6)
     with pytest.raises(RuntimeError, match="positions must lie"):

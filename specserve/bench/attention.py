@@ -55,7 +55,9 @@ def case_calls(ext, context: int, t: int, levels: list[int]) -> dict[str, Callab
         "torch views": lambda: cache.attend(0, q, k, v, meta_views),
         "torch gather": lambda: cache.attend(0, q, k, v, meta_gather),
     }
-    args = dict(q=q[0], k_pool=cache.k[0], v_pool=cache.v[0], q_start=torch.tensor([0, t]),
+    # The native kernels read float16 pools (the native model's kv_dtype): the same keys and
+    # values rounded to half, half the bytes the torch paths' float32 pools take.
+    args = dict(q=q[0], k_pool=cache.k[0].half(), v_pool=cache.v[0].half(), q_start=torch.tensor([0, t]),
                 block_table=torch.tensor([scattered]), prefix_len=torch.arange(context + 1, context + t + 1))
     for level in levels:
         calls[LEVEL_NAMES[level]] = lambda level=level: ext.paged_attention(level, **args)

@@ -55,13 +55,15 @@ class KVBudget:
     block_size: int  # tokens per block
     block_bytes: int  # K and V of one block across all layers
     source: str  # why this size, in words
+    dtype: torch.dtype  # what the pool stores (the model's kv_dtype): float16 halves block_bytes
 
     @property
     def num_bytes(self) -> int:
         return (self.num_blocks + 1) * self.block_bytes  # the pool keeps one trash block
 
     def describe(self) -> str:
-        return (f"KV pool of {self.num_blocks} blocks ({self.num_blocks * self.block_size} tokens, "
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"KV pool of {self.num_blocks} blocks ({self.num_blocks * self.block_size} tokens, {dtype}, "
                 f"{self.num_bytes / _GIB:.2f} GiB): {self.source}")
 
 
@@ -72,8 +74,9 @@ def plan_kv_pool(target: LoadedModel, config: EngineConfig) -> KVBudget:
     can always run (alone, after preempting the others)."""
     cfg = target.config
     device = target.model.device
+    kv_dtype = target.model.kv_dtype
     block_bytes = PagedKVCache.bytes_per_block(cfg.num_layers, config.block_size, cfg.num_kv_heads, cfg.head_dim,
-                                               target.model.dtype)
+                                               kv_dtype)
     per_request = -(-config.max_model_len // config.block_size)
     available = available_memory(device)
 
@@ -96,20 +99,20 @@ def plan_kv_pool(target: LoadedModel, config: EngineConfig) -> KVBudget:
         else:
             source = f"kv_cache_memory={value} of the {available / _GIB:.2f} GiB available"
         num = PagedKVCache.num_blocks_for_budget(budget, cfg.num_layers, config.block_size, cfg.num_kv_heads,
-                                                 cfg.head_dim, target.model.dtype)
+                                                 cfg.head_dim, kv_dtype)
     else:
         wanted = per_request * config.max_num_seqs
         cap = int(available * DEFAULT_MEMORY_FRACTION) // block_bytes - 1
         full = f"max_num_seqs={config.max_num_seqs} requests at max_model_len={config.max_model_len}"
         if wanted <= cap:
-            return KVBudget(wanted, config.block_size, block_bytes, full)
+            return KVBudget(wanted, config.block_size, block_bytes, full, kv_dtype)
         what, value = "max_model_len", config.max_model_len
         fits(what, value, (per_request + 1) * block_bytes)
         num = max(per_request, cap)
         source = (f"{DEFAULT_MEMORY_FRACTION:g} of the {available / _GIB:.2f} GiB available "
                   f"({full} would need {(wanted + 1) * block_bytes / _GIB:.2f} GiB)")
     _check_holds_one_request(num, config, what, value)
-    return KVBudget(num, config.block_size, block_bytes, source)
+    return KVBudget(num, config.block_size, block_bytes, source, kv_dtype)
 
 
 def num_kv_blocks(target: LoadedModel, config: EngineConfig) -> int:

@@ -130,6 +130,11 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's own dtype on the torch path."""
+        return self.dtype
+
+    @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 

@@ -8,7 +8,10 @@ computes a token's row from that token's inputs alone: a token's logits are bit-
 whether it is decoded alone, verified among draft tokens, or batched with other requests.
 
 Activations are float32 between the kernels and quantized to int8 per 32-element block before
-each product, as llama.cpp does; the float32 torch path (`--dtype float32`) stays the exact
+each product, as llama.cpp does. Keys and values are kept in float16 (`kv_dtype`): attention
+reads every cached key and value of a request each pass, and at long contexts and many requests
+in flight those reads, not the weights, bound a pass; half the bytes (11 significant bits, ample
+for values that RMSNorm and RoPE keep within a few units) halves them. The float32 torch path (`--dtype float32`) stays the exact
 reference that the tests compare with transformers.
 """
 
@@ -108,7 +111,7 @@ class PackedRows(nn.Module):
 
 class NativeLlamaModel(nn.Module):
     """forward_flat(batch, cache) -> final hidden states [N, hidden]; compute_logits(hidden
-    [..., hidden]) -> float32 logits [..., vocab]. CPU only, float32 activations and KV cache."""
+    [..., hidden]) -> float32 logits [..., vocab]. CPU only, float32 activations, float16 KV cache."""
 
     native = True
 
@@ -129,11 +132,16 @@ class NativeLlamaModel(nn.Module):
         return torch.float32
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV cache stores: halves, rounded to nearest even when written (model.cpp)."""
+        return torch.float16
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cpu")
 
     def forward_flat(self, batch: FlatBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float32 (the pools, viewed by
+        """k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float16 (the pools, viewed by
         cache row) -> hidden [N, hidden]."""
         x = self.embed_tokens(batch.token_ids)  # [N, hidden]
         return self.core.forward(self.level, x, batch.positions, batch.slots, k_cache, v_cache, batch.block_size,

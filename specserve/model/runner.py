@@ -60,13 +60,13 @@ class ModelRunner:
     def dense(cls, model: LlamaModel, num_slots: int, max_len: int) -> "ModelRunner":
         cfg = model.config
         return cls(model, DenseKVCache(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim,
-                                       model.dtype, model.device))
+                                       model.kv_dtype, model.device))
 
     @classmethod
     def paged(cls, model: LlamaModel, num_blocks: int, block_size: int) -> "ModelRunner":
         cfg = model.config
         return cls(model, PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                       model.dtype, model.device))
+                                       model.kv_dtype, model.device))
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """-> float32 logits [B, T, V] (all_logits) or [B, 1, V] (last token of each request)."""
@@ -102,7 +102,8 @@ class ModelRunner:
         else:  # a dense slot is one block of `stride` rows
             tables, block_size = [[slot] for slot in batch.locations], self.cache.stride
         flat = flat_batch(batch.token_ids, tables, block_size, batch.start_positions, batch.tree_masks)
-        k, v = self.cache.k, self.cache.v  # [layers, blocks, block_size, Hkv, D] or [layers, rows, Hkv, D]
+        # [layers, blocks, block_size, Hkv, D] or [layers, rows, Hkv, D], in model.kv_dtype
+        k, v = self.cache.k, self.cache.v
         hidden = self.model.forward_flat(flat, k.view(k.shape[0], -1, *k.shape[-2:]),
                                          v.view(v.shape[0], -1, *v.shape[-2:]))  # [N, hidden]
         return hidden, flat

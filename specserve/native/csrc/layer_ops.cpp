@@ -72,6 +72,15 @@ void exp_generic(const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_ps(x[i]);
 }
 
+void to_half_generic(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = round_half(x[i]);
+}
+
+// A pool row of n halves as floats (exact).
+void widen(const uint16_t* h, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = half_to_float(h[i]);
+}
+
 // The three passes of layer_ops.h's attention, key-major like the SIMD levels (the order of
 // the loops changes no row's arithmetic: each row's sums run over its own keys in slot order).
 void attend_generic(const AttentionTask& t, float* scratch) {
@@ -79,10 +88,11 @@ void attend_generic(const AttentionTask& t, float* scratch) {
   float* scores = scratch;        // [rows][kp]
   float* o = scores + rows * kp;  // [rows][d]
   float* l = o + rows * d;        // [rows]
+  float* wide = l + rows;         // [d]: one K or V row widened from the pool's halves
   SlotCursor keys(t, 0);
   for (int64_t p = 0; p < t.num_keys; ++p) {
-    const float* k = t.k + keys.next();
-    for (int64_t r = 0; r < rows; ++r) scores[r * kp + p] = dot16(t.q_row(r), k, d) * t.scale;
+    widen(t.k + keys.next(), d, wide);
+    for (int64_t r = 0; r < rows; ++r) scores[r * kp + p] = dot16(t.q_row(r), wide, d) * t.scale;
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * kp;
@@ -94,11 +104,11 @@ void attend_generic(const AttentionTask& t, float* scratch) {
   std::fill(o, o + rows * d + rows, 0.0f);
   SlotCursor values(t, 0);
   for (int64_t p = 0; p < t.num_keys; ++p) {
-    const float* v = t.v + values.next();
+    widen(t.v + values.next(), d, wide);
     for (int64_t r = 0; r < rows; ++r) {
       if (!t.sees(r / t.group, p)) continue;
       const float w = scores[r * kp + p];
-      for (int64_t i = 0; i < d; ++i) o[r * d + i] = std::fma(w, v[i], o[r * d + i]);
+      for (int64_t i = 0; i < d; ++i) o[r * d + i] = std::fma(w, wide[i], o[r * d + i]);
       l[r] += w;
     }
   }
@@ -134,7 +144,8 @@ void for_rows(int64_t n, const F& f) {
 }  // namespace
 
 const LayerKernels& layer_kernels_generic() {
-  static const LayerKernels k{rmsnorm_generic, rope_generic, silu_mul_generic, exp_generic, attend_generic};
+  static const LayerKernels k{rmsnorm_generic, rope_generic, silu_mul_generic, exp_generic, to_half_generic,
+                              attend_generic};
   return k;
 }
 
@@ -157,7 +168,9 @@ void silu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter
 
 void exp_rows(int level, const float* x, int64_t n, float* y) { kernels(level).exp(x, n, y); }
 
-void paged_attention(int level, const float* q, int64_t ldq, const float* k_pool, const float* v_pool,
+void round_to_half(int level, const float* x, int64_t n, uint16_t* y) { kernels(level).to_half(x, n, y); }
+
+void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_pool, const uint16_t* v_pool,
                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
                      const AttentionBatch& batch, float* out, int64_t ldo) {
   const AttendFn fn = kernels(level).attend;

@@ -3,6 +3,9 @@
 // that compute the same bits (the arithmetic of each is defined here), and each row's result
 // depends only on that row's inputs: batch invariance by construction.
 //
+// The KV pool holds IEEE half precision (uint16_t bits): round_half writes a key or value
+// (rounded to nearest, ties to even), attention widens it back to float (exact) on every read.
+//
 // Shared arithmetic:
 //  - sum16(x[0..n)), n a multiple of 16: 16 lane sums s[l] = ((x[l] + x[16 + l]) + x[32 + l]) + ...
 //    in order, then reduced s[l] += s[l + 8], s[l] += s[l + 4], s[l] += s[l + 2], s[l] += s[l + 1]
@@ -34,6 +37,9 @@ void rope(int level, float* x, int64_t ld, int64_t n, int64_t heads, int64_t hea
 // (row stride ldgu), y: [n, inter] (row stride ldy). inter a multiple of 16.
 void silu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy);
 
+// y[i] = round_half(x[i]) for i < n (layer_ops_kernels.h): how keys and values enter the pool.
+void round_to_half(int level, const float* x, int64_t n, uint16_t* y);
+
 // Where the query tokens of one attention call sit. Tokens are flattened: sequence s owns the
 // query rows [q_start[s], q_start[s + 1]). Its keys and values live in the pool at slots
 // 0, 1, 2, ... of the sequence, slot p in block block_table[s * bt_stride + p / block_size] at
@@ -56,15 +62,16 @@ struct AttentionBatch {
 };
 
 // out[i, h * head_dim + d] for every query row i and head h < heads:
-//   over the visible slots p of i in increasing order (ancestors in node order):
+//   over the visible slots p of i in increasing order (ancestors in node order), with k and v
+//   the pool's halves widened to float:
 //     score[p] = dot16(q[i, h, :], k[p, h / (heads / kv_heads), :]) * scale
 //   m = max score;  w[p] = exp_ps(score[p] - m);  l = sum of w[p] in slot order (sequential);
 //   o[d] = fma(w[p], v[p, kvh, d], o[d]) in slot order;  out = o[d] / l
 // (a query that sees no slot gets zeros). dot16 starts from zero lanes; exp_ps is
 // layer_ops_kernels.h's.
-// q: [num_tokens, heads, head_dim] with row stride ldq; k_pool, v_pool: [blocks, block_size,
-// kv_heads, head_dim]; out row stride ldo. head_dim a multiple of 16.
-void paged_attention(int level, const float* q, int64_t ldq, const float* k_pool, const float* v_pool,
+// q: [num_tokens, heads, head_dim] float with row stride ldq; k_pool, v_pool: [blocks, block_size,
+// kv_heads, head_dim] half bits; out row stride ldo. head_dim a multiple of 16.
+void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_pool, const uint16_t* v_pool,
                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
                      const AttentionBatch& batch, float* out, int64_t ldo);
 

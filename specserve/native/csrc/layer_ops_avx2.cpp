@@ -8,7 +8,7 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace specserve::avx2 {
 namespace {
 
@@ -22,6 +22,14 @@ inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p +
 inline void vstore(float* p, V a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
+}
+inline V vload_half(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void vstore_half(uint16_t* p, V a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT));
 }
 inline V vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
 inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
@@ -70,11 +78,11 @@ inline V vexp_finish(V x, V p, V k) { return {exp_finish8(x.lo, p.lo, k.lo), exp
 // once, each step pairing vectors so that lane l meets lane l + w of the same key. Position i
 // of a group holds key 4 (i % 2) + i / 2, which the steps leave in lane i. Keys are
 // accumulated 4 at a time: 8 accumulators and a query chunk fit AVX2's 16 registers.
-inline void scores16(const float* q, const float* const* kp, int64_t d, float scale, float* dst) {
+inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float scale, float* dst) {
   for (int h = 0; h < 2; ++h) {
     __m256 x[2];
     for (int sub = 0; sub < 2; ++sub) {
-      const float* k[4];
+      const uint16_t* k[4];
       __m256 lo[4], hi[4];
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
@@ -86,8 +94,9 @@ inline void scores16(const float* q, const float* const* kp, int64_t d, float sc
         const __m256 ql = _mm256_loadu_ps(q + c), qh = _mm256_loadu_ps(q + c + 8);
 #pragma GCC unroll 4
         for (int i = 0; i < 4; ++i) {
-          lo[i] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(k[i] + c), lo[i]);
-          hi[i] = _mm256_fmadd_ps(qh, _mm256_loadu_ps(k[i] + c + 8), hi[i]);
+          const V ki = vload_half(k[i] + c);
+          lo[i] = _mm256_fmadd_ps(ql, ki.lo, lo[i]);
+          hi[i] = _mm256_fmadd_ps(qh, ki.hi, hi[i]);
         }
       }
       __m256 a[4];

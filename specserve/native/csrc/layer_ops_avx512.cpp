@@ -19,6 +19,10 @@ constexpr int kChunkGroup = 4;
 using V = __m512;
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline V vload_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline void vstore_half(uint16_t* p, V a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT));
+}
 inline V vset1(float a) { return _mm512_set1_ps(a); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vsub(V a, V b) { return _mm512_sub_ps(a, b); }
@@ -53,8 +57,8 @@ inline V vexp_finish(V x, V p, V k) {
 // reductions of all 16 keys at once, each step pairing vectors so that a lane l meets lane
 // l + w of the same key. Accumulator j holds key 4 (j % 4) + j / 4, which the four steps
 // leave in lane j.
-inline void scores16(const float* q, const float* const* kp, int64_t d, float scale, float* dst) {
-  const float* k[16];
+inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float scale, float* dst) {
+  const uint16_t* k[16];
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) k[j] = kp[4 * (j % 4) + j / 4];
   V acc[16];
@@ -62,7 +66,7 @@ inline void scores16(const float* q, const float* const* kp, int64_t d, float sc
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j)  // key by key: one key pointer live at a time, q in registers
-    for (int64_t c = 0; c < d; c += 16) acc[j] = vfma(vload(q + c), vload(k[j] + c), acc[j]);
+    for (int64_t c = 0; c < d; c += 16) acc[j] = vfma(vload(q + c), vload_half(k[j] + c), acc[j]);
   V a8[8], a4[4], a2[2];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i)  // lanes 0-7 + 8-15 of keys 2i, 2i + 1

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "half.h"
 #include "layer_ops.h"
 
 namespace specserve {
@@ -60,6 +61,19 @@ inline float exp_ps(float x) {
   return (p * float_from_bits((n1 + 127) << 23)) * float_from_bits((n2 + 127) << 23);
 }
 
+// ---- round_half: float -> the pool's IEEE half bits ------------------------------------------
+//
+// Rounded to nearest, ties to even (subnormal halves below 2^-14, infinity from 65520 up): what
+// F16C's / AVX-512's cvtps_ph computes with _MM_FROUND_TO_NEAREST_INT, and half.h's float_to_half,
+// except for a NaN, which the instruction keeps as its sign and top 10 payload bits with the
+// quiet bit set (half.h gives the one canonical NaN); this is the instruction's result.
+inline uint16_t round_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>(((x >> 16) & 0x8000) | 0x7E00 | ((x >> 13) & 0x3FF));
+  return float_to_half(f);
+}
+
 // RoPE (layer_ops.h) of one head's pairs i in [from, half): x1 c - x2 s, x2 c + x1 s.
 inline void rope_pairs(float* xh, const float* c, const float* s, int64_t from, int64_t half) {
   for (int64_t i = from; i < half; ++i) {
@@ -85,11 +99,11 @@ struct AttentionTask {
   const int64_t* tree_row;    // [num_q] or null
   const uint8_t* tree_mask;
   int64_t tree_start, tree_size;
-  const float* k;  // the pools, offset to this kv head
-  const float* v;
+  const uint16_t* k;  // the pools (half bits), offset to this kv head
+  const uint16_t* v;
   const int64_t* blocks;  // the sequence's block table row
   int64_t block_size;
-  int64_t slot_stride;  // floats from one slot to the next (kv_heads * head_dim)
+  int64_t slot_stride;  // halves from one slot to the next (kv_heads * head_dim)
   int64_t num_keys;
 
   int64_t rows() const { return num_q * group; }
@@ -119,13 +133,14 @@ struct AttentionTask {
   }
 };
 
-// Scratch a task needs: scores / weights [rows][keys_padded], o [rows][head_dim], l [rows].
+// Scratch a task needs: scores / weights [rows][keys_padded], o [rows][head_dim], l [rows], and
+// one widened K or V row [head_dim] (the generic level's).
 inline int64_t attention_scratch_floats(const AttentionTask& t) {
-  return t.rows() * (t.keys_padded() + t.head_dim + 1);
+  return t.rows() * (t.keys_padded() + t.head_dim + 1) + t.head_dim;
 }
 
 // Walks a sequence's slots 0, 1, 2, ... through its block table, giving each slot's offset in
-// the pool (in floats, from the task's k or v).
+// the pool (in halves, from the task's k or v).
 struct SlotCursor {
   const int64_t* blocks;
   int64_t block_size, slot_stride, block = 0, offset = 0;
@@ -153,6 +168,7 @@ using RopeFn = void (*)(float* x, int64_t ld, int64_t n, int64_t heads, int64_t 
                         const float* cos, const float* sin);
 using SiluMulFn = void (*)(const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy);
 using ExpFn = void (*)(const float* x, int64_t n, float* y);  // y[i] = exp_ps(x[i])
+using HalfFn = void (*)(const float* x, int64_t n, uint16_t* y);  // y[i] = round_half(x[i])
 // One task; scratch holds attention_scratch_floats(task) floats.
 using AttendFn = void (*)(const AttentionTask& task, float* scratch);
 
@@ -161,6 +177,7 @@ struct LayerKernels {
   RopeFn rope;
   SiluMulFn silu_mul;
   ExpFn exp;
+  HalfFn to_half;
   AttendFn attend;
 
   void overlay(const LayerKernels& own) {
@@ -168,6 +185,7 @@ struct LayerKernels {
     if (own.rope) rope = own.rope;
     if (own.silu_mul) silu_mul = own.silu_mul;
     if (own.exp) exp = own.exp;
+    if (own.to_half) to_half = own.to_half;
     if (own.attend) attend = own.attend;
   }
 };

@@ -2,14 +2,14 @@
 // RoPE, KV write, paged attention, o product with the residual, RMSNorm, fused gate/up product,
 // SiLU x up and down product with the residual, then the final norm. The weights stay GGUF blocks
 // (repacked units, qgemm.h); activations are float32 between the kernels and quantized per
-// 32-element block right before each product. Every kernel computes a token's row from that
+// 32-element block right before each product; keys and values are kept in the cache as IEEE
+// halves (rounded once when written, widened exactly when read). Every kernel computes a token's row from that
 // token's inputs alone, so a token's hidden state never depends on the other tokens in the pass.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "layer_ops.h"
@@ -119,7 +119,7 @@ class NativeModel {
   }
 
   // x: float32 [n, hidden] embeddings -> final hidden states [n, hidden] (after the final norm).
-  // k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float32, `rows` slots per layer
+  // k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float16, `rows` slots per layer
   // grouped in blocks of block_size; slots[i] is where token i's key and value go.
   torch::Tensor forward(int64_t level, torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t block_size, torch::Tensor q_start,
@@ -134,11 +134,11 @@ class NativeModel {
     check_index(slots, n, "slots");
     check_index(prefix_len, n, "prefix_len");
     const int64_t num_layers = static_cast<int64_t>(layers_.size());
-    TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && k_cache.dim() == 4 &&
+    TORCH_CHECK(k_cache.dtype() == torch::kHalf && k_cache.is_contiguous() && k_cache.dim() == 4 &&
                     k_cache.size(0) == num_layers && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_ &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
-                    v_cache.dtype() == torch::kFloat32,
-                "k_cache and v_cache must be contiguous float32 [layers, rows, kv_heads, head_dim]");
+                    v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.dtype() == torch::kHalf,
+                "k_cache and v_cache must be contiguous float16 [layers, rows, kv_heads, head_dim], got ",
+                k_cache.dtype(), " ", k_cache.sizes(), " and ", v_cache.dtype(), " ", v_cache.sizes());
     const int64_t cache_rows = k_cache.size(1);
     TORCH_CHECK(block_size >= 1 && cache_rows % block_size == 0, "cache rows must be whole blocks");
     TORCH_CHECK(q_start.dtype() == torch::kInt64 && q_start.is_contiguous() && q_start.dim() == 1 &&
@@ -183,20 +183,22 @@ class NativeModel {
     float* xs = out.data_ptr<float>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
-    const int64_t layer_floats = cache_rows * kvd;
+    const int64_t layer_halves = cache_rows * kvd;
+    uint16_t* k_base = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>());
+    uint16_t* v_base = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>());
 
     for (int64_t li = 0; li < num_layers; ++li) {
       const Layer& L = layers_[li];
-      float* kc = k_cache.data_ptr<float>() + li * layer_floats;
-      float* vc = v_cache.data_ptr<float>() + li * layer_floats;
+      uint16_t* kc = k_base + li * layer_halves;  // [rows, kv_heads, head_dim] halves
+      uint16_t* vc = v_base + li * layer_halves;
       rmsnorm(lv, xs, hidden_, n, hidden_, L.attn_norm.data_ptr<float>(), eps_, h, hidden_);
       quantize_rows(lv, h, n, hidden_, hidden_, act);
       L.qkv.apply(lv, act, n, nullptr, 0, qkv, qkv_w);
       // q and k heads are adjacent in a qkv row, so one call rotates both.
       rope(lv, qkv, qkv_w, n, heads_ + kv_heads_, head_dim_, pos, cos_.data_ptr<float>(), sin_.data_ptr<float>());
       for (int64_t i = 0; i < n; ++i) {
-        std::memcpy(kc + slot[i] * kvd, qkv + i * qkv_w + qd, sizeof(float) * kvd);
-        std::memcpy(vc + slot[i] * kvd, qkv + i * qkv_w + qd + kvd, sizeof(float) * kvd);
+        round_to_half(lv, qkv + i * qkv_w + qd, kvd, kc + slot[i] * kvd);
+        round_to_half(lv, qkv + i * qkv_w + qd + kvd, kvd, vc + slot[i] * kvd);
       }
       paged_attention(lv, qkv, qkv_w, kc, vc, block_size, heads_, kv_heads_, head_dim_, scale, batch, attn, qd);
       quantize_rows(lv, attn, n, qd, qd, act);
