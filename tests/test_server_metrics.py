@@ -103,3 +103,20 @@ def test_every_engine_request_is_counted_once(server, monkeypatch, caplog):
     ended = {r: after[r] - before[r] for r in REASONS}
     assert ended == {"length": 4, "stop": 0, "abort": 3, "error": 2}, ended
     assert m["specserve_num_requests_open"] == 0 and m["specserve_kv_blocks_used"] == 0
+
+
+def test_adaptive_speculation_shows_the_depths_it_chose():
+    """/metrics reads the chosen draft depths from the engine's published stats, one series per
+    depth, and their mean (a stand-in engine: the figures come from EngineStats as they are)."""
+    from types import SimpleNamespace
+
+    from specserve.engine.engine import EngineStats
+    from specserve.server.metrics import ServerMetrics
+
+    engine = SimpleNamespace(snapshot=EngineStats(draft_depth_counts=(6, 0, 3, 1)))
+    text = ServerMetrics(engine, "m").render().decode()
+    assert 'specserve_spec_draft_depth_chosen{depth="2",model_name="m"} 3.0' in text
+    assert 'specserve_spec_draft_depth_chosen{depth="0",model_name="m"} 6.0' in text
+    assert 'specserve_spec_mean_draft_depth{model_name="m"} 0.9' in text  # (0*6 + 2*3 + 3*1) / 10
+    plain = ServerMetrics(SimpleNamespace(snapshot=EngineStats()), "m").render().decode()
+    assert "specserve_spec_draft_depth_chosen{" not in plain

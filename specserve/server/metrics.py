@@ -64,6 +64,13 @@ class ServerMetrics:
               lambda: self._spec.acceptance_rate)
         gauge("specserve_spec_mean_accepted_length", "Tokens emitted per target pass (1.0 without speculation)",
               lambda: self._spec.mean_accepted_length)
+        gauge("specserve_spec_mean_draft_depth", "Draft depth adaptive speculation chose, mean over request-steps "
+              "(0 without adaptive speculation)", lambda: snap().mean_draft_depth)
+        if depths := len(snap().draft_depth_counts):
+            chosen = Gauge("specserve_spec_draft_depth_chosen", "Request-steps by the draft depth adaptive speculation "
+                           "chose (0: a plain step)", ["model_name", "depth"], registry=self.registry)
+            for d in range(depths):
+                chosen.labels(**label, depth=str(d)).set_function(lambda d=d: snap().draft_depth_counts[d])
         gauge("specserve_num_requests_open", "Engine requests submitted whose end the server has not yet counted",
               lambda: self._open)
 
