@@ -200,3 +200,13 @@ def test_a_request_with_its_own_k_is_not_planned(tiny):
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert "fixed" not in llm.engine.planner.requests
+
+
+def test_drafting_time_between_and_past_measured_depths():
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=8)
+    p.observe_step(PassShape(1), 5e-3, 1e-3, 2)
+    assert p.drafting_s(8) == pytest.approx(1e-3) and p.drafting_s(1) == pytest.approx(1e-3)  # one depth: flat
+    p.observe_step(PassShape(1), 5e-3, 2e-3, 4)
+    assert p.drafting_s(3) == pytest.approx(1.5e-3)  # between: interpolated
+    assert p.drafting_s(6) == pytest.approx(3e-3)  # past: along the two nearest
+    assert p.drafting_s(1) == pytest.approx(0.5e-3)

@@ -162,17 +162,25 @@ class SpeculationPlanner:
 
     def drafting_s(self, depth: int) -> float:
         """Drafting time of a step whose deepest draft is `depth` (0 for no drafting): the
-        measured average at that depth, else scaled from the nearest measured depth."""
+        measured average at that depth; between measured depths, interpolated; past them, the
+        nearest measured one, extended along the slope of the two nearest (a lookup proposer
+        costs the same at every depth, a draft model one small pass per depth). Never assumed
+        to grow faster than measured, so an untried depth is tried rather than ruled out."""
         if depth == 0:
             return 0.0
         known = [(d, t) for d, t in enumerate(self.proposer_s) if t is not None and d > 0]
         if not known:
             return 0.0
-        for d, t in known:
-            if d == depth:
-                return t
-        d, t = min(known, key=lambda dt: abs(dt[0] - depth))
-        return t * depth / d
+        below = [(d, t) for d, t in known if d <= depth]
+        above = [(d, t) for d, t in known if d >= depth]
+        if below and above:
+            (d0, t0), (d1, t1) = below[-1], above[0]
+            return t0 if d0 == d1 else t0 + (t1 - t0) * (depth - d0) / (d1 - d0)
+        side = below[-2:] if below else above[:2]
+        if len(side) == 1:
+            return side[0][1]
+        (d0, t0), (d1, t1) = side
+        return max(0.0, t1 + (t1 - t0) / (d1 - d0) * (depth - d1))
 
     def nodes(self, depth: int, slots: int) -> int:
         """Tree nodes to draft at this depth (chains: the depth), within the slots reserved."""
