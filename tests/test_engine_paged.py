@@ -189,16 +189,3 @@ def test_pool_sized_from_a_fraction_of_free_memory(tiny):
     assert llm.engine.scheduler.pool.num_blocks >= 8
     with pytest.raises(InvalidParameterError, match="fraction of free memory"):
         LLM(loaded=tiny["loaded"], max_model_len=128, kv_cache_memory=1.5)
-
-
-def test_prompt_chunks_are_grouped_to_bound_padding():
-    from specserve.model.runner import _padding_groups
-
-    lengths = [800, 50, 52, 1, 790, 2, 1]
-    groups = _padding_groups(lengths)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        longest, real = max(lengths[i] for i in g), sum(lengths[i] for i in g)
-        assert len(g) * longest <= 1.25 * real
-    assert {frozenset(g) for g in groups} >= {frozenset({1, 2}), frozenset({0, 4})}
-    assert _padding_groups([5, 5, 5]) == [[0, 1, 2]]

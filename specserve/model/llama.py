@@ -19,6 +19,8 @@ from torch import nn
 
 from specserve.model.attention import AttentionMetadata, DenseKVCache
 from specserve.model.config import ModelConfig, rope_inv_freq
+from specserve.model.flat_attention import FlatKV, GatherBuffers, flat_metadata
+from specserve.model.flat_batch import FlatBatch
 from specserve.model.linear import Linear
 
 
@@ -48,12 +50,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
-        return self.cos[positions].unsqueeze(2).to(dtype), self.sin[positions].unsqueeze(2).to(dtype)
+        """positions [B, T] (or flat [N]) -> cos, sin [B, T, 1, head_dim] ([N, 1, head_dim]),
+        broadcast over heads."""
+        return self.cos[positions].unsqueeze(-2).to(dtype), self.sin[positions].unsqueeze(-2).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [B, T, H, D]; cos, sin: [B, T, 1, D] from RotaryEmbedding.tables.
+    """Rotate-half RoPE. x: [..., H, D]; cos, sin: [..., 1, D] from RotaryEmbedding.tables.
 
     The same products and sums, rounded the same way, as the reference's
     x * cos + cat(-x2, x1) * sin, in four ops instead of eight. (A fused multiply-add would save
@@ -76,11 +79,12 @@ class Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: DenseKVCache) -> torch.Tensor:
-        """h: normalised [B, T, hidden] -> residual + attention output [B, T, hidden]."""
-        qkv = self.qkv_proj(h).unflatten(-1, (-1, self.head_dim))  # [B, T, H + 2 Hkv, D]
+        """h: normalised [B, T, hidden] -> residual + attention output [B, T, hidden]; or, in a
+        flattened pass (FlatKV and its metadata), [N, hidden] -> [N, hidden]."""
+        qkv = self.qkv_proj(h).unflatten(-1, (-1, self.head_dim))  # [B, T, H + 2 Hkv, D] or [N, ...]
         # q and k heads are adjacent, so one RoPE call rotates both.
-        qk, v = qkv.split(self.qk_v_heads, dim=2)
-        q, k = apply_rope(qk, cos, sin).split(self.q_k_heads, dim=2)
+        qk, v = qkv.split(self.qk_v_heads, dim=-2)
+        q, k = apply_rope(qk, cos, sin).split(self.q_k_heads, dim=-2)
         return self.o_proj.forward_add(cache.attend(self.layer, q, k, v, meta), residual)
 
 
@@ -111,7 +115,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """forward(input_ids [B, T], meta, cache) -> hidden states [B, T, hidden];
+    """forward(input_ids [B, T], meta, cache) -> hidden states [B, T, hidden] (padded batches);
+    forward_flat(flat, k, v) -> hidden [N, hidden] (a flattened pass, the native model's call);
     compute_logits(hidden [..., hidden]) -> float32 logits [..., vocab]."""
 
     def __init__(self, cfg: ModelConfig):
@@ -124,6 +129,7 @@ class LlamaModel(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.kv_gather = GatherBuffers()  # forward_flat's key/value gathers, reused pass after pass
 
     @property
     def dtype(self) -> torch.dtype:
@@ -141,6 +147,18 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: DenseKVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(meta.positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, cache)
+        return self.norm(x)
+
+    def forward_flat(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The tokens of every request in one pass, without padding (NativeLlamaModel.forward_flat's
+        call and semantics). flat: on the host; k, v: [num_layers, rows, Hkv, D], the cache pools
+        viewed by cache row -> hidden [N, hidden]."""
+        meta = flat_metadata(flat, self.device, k.dtype)
+        cache = FlatKV(k, v, self.kv_gather)
+        x = self.embed_tokens(meta.token_ids)  # [N, hidden]
+        cos, sin = self.rotary.tables(meta.positions, x.dtype)  # [N, 1, head_dim]
         for layer in self.layers:
             x = layer(x, cos, sin, meta, cache)
         return self.norm(x)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import torch
@@ -22,8 +22,8 @@ class ForwardBatch:
     start_positions: list[int]  # each request's num_computed_tokens
     token_ids: list[list[int]]  # tokens to compute, one list per request (prompt chunk, or last token + drafts)
     all_logits: bool  # True: logits at every position [B, T, V]; False: at each request's last token [B, 1, V]
-    # Per request, a [T_i, T_i] bool token-tree mask (paged cache only; see
-    # PagedKVCache.metadata) or None for causal tokens; None: every request causal.
+    # Per request, a [T_i, T_i] bool token-tree mask (see flat_batch) or None for causal
+    # tokens; None: every request causal.
     tree_masks: list[torch.Tensor | None] | None = None
     keep_hidden: bool = False  # also return the final hidden states of every computed token
 
@@ -48,8 +48,9 @@ class FlatForwardOutput:
 
 
 class ModelRunner:
-    """Runs a model over one KV cache: the engine's paged pool, or a dense per-slot cache
-    (the draft model's, and single-request tools such as the forward benchmark)."""
+    """Runs a model over one KV cache: a paged pool (the engine's, the draft model's), or a
+    dense per-slot cache (single-request tools: the forward and quality benchmarks, training
+    data)."""
 
     def __init__(self, model: LlamaModel, cache: PagedKVCache | DenseKVCache):
         self.model = model
@@ -78,25 +79,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        if getattr(self.model, "native", False):
-            return self._forward_flat(batch)
-        lens = [len(t) for t in batch.token_ids]
-        t = max(lens)
-        # Padded in Python, so that the step's ids cost one tensor, not one per request.
-        ids = torch.tensor([list(toks) + [0] * (t - len(toks)) for toks in batch.token_ids], dtype=torch.long)  # [B, T]
-        if batch.tree_masks is None:
-            meta = self.cache.metadata(batch.locations, batch.start_positions, lens)
-        else:
-            meta = self.cache.metadata(batch.locations, batch.start_positions, lens, batch.tree_masks)
-        hidden = self.model(ids.to(self.device), meta, self.cache)  # [B, T, hidden]
-        kept = [hidden[i, :n] for i, n in enumerate(lens)] if batch.keep_hidden else None
-        if not batch.all_logits:
-            last = torch.tensor([n - 1 for n in lens], device=self.device)
-            hidden = hidden[torch.arange(len(lens), device=self.device), last].unsqueeze(1)  # [B, 1, hidden]
-        return ForwardOutput(self.model.compute_logits(hidden), kept)
+        return self._forward_flat(batch)
 
     def _hidden_flat(self, batch: ForwardBatch) -> tuple[torch.Tensor, FlatBatch]:
-        """hidden [N, hidden] of the batch's tokens flattened (no padding computed)."""
+        """hidden [N, hidden] of the batch's tokens flattened, no padding computed: every model
+        on either cache (model.forward_flat; measured as fast as the padded pass it replaced for
+        a single request on the dense cache, faster for ragged batches)."""
         if isinstance(self.cache, PagedKVCache):
             tables, block_size = batch.locations, self.cache.block_size
         else:  # a dense slot is one block of `stride` rows
@@ -109,7 +97,6 @@ class ModelRunner:
         return hidden, flat
 
     def _forward_flat(self, batch: ForwardBatch) -> ForwardOutput:
-        """The native model's pass: the batch's tokens flattened, no padding computed."""
         hidden, flat = self._hidden_flat(batch)
         starts = flat.q_start.tolist()
         kept = [hidden[a:b] for a, b in zip(starts, starts[1:])] if batch.keep_hidden else None
@@ -122,7 +109,7 @@ class ModelRunner:
             return ForwardOutput(logits.view(len(lens), t, -1), kept)
         # Ragged: padded to [B, T, V] with zero logits where a request has no token.
         padded = logits.new_zeros(len(lens) * t, logits.shape[-1])
-        rows = torch.cat([torch.arange(i * t, i * t + n) for i, n in enumerate(lens)])
+        rows = torch.cat([torch.arange(i * t, i * t + n) for i, n in enumerate(lens)]).to(logits.device)
         return ForwardOutput(padded.index_copy_(0, rows, logits).view(len(lens), t, -1), kept)
 
     @torch.inference_mode()
@@ -137,57 +124,18 @@ class ModelRunner:
         token_start = [0, *accumulate(lens)]
         logit_start = [0, *accumulate(num_logits)]
         rows = [j for e, n in zip(token_start[1:], num_logits) for j in range(e - n, e)]
-        if hasattr(self.model, "forward_flat"):
-            hidden, _ = self._hidden_flat(batch)  # [N, hidden]
-        else:  # a padded pass, flattened afterwards
-            padded = self.forward(ForwardBatch(batch.locations, batch.start_positions, batch.token_ids, all_logits=True,
-                                               tree_masks=batch.tree_masks, keep_hidden=True))
-            hidden = torch.cat(padded.hidden)
+        hidden, _ = self._hidden_flat(batch)  # [N, hidden]
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, index)) if rows else hidden.new_zeros(0, 0)
         return FlatForwardOutput(logits.float(), logit_start, hidden if batch.keep_hidden else None, token_start)
 
     def forward_last(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits at each request's last token [B, 1, V], for a batch of ragged lengths (prompt
-        chunks): split into passes whose padding stays small, results in batch order. (The
-        native model computes no padding: one pass.)"""
-        if getattr(self.model, "native", False):
-            return self.forward(batch)
-        groups = _padding_groups([len(t) for t in batch.token_ids])
-        if len(groups) == 1:
-            return self.forward(batch)
-        logits: list[torch.Tensor | None] = [None] * len(batch.token_ids)
-        hidden: list[torch.Tensor | None] = [None] * len(batch.token_ids)
-        for group in groups:
-            sub = ForwardBatch([batch.locations[i] for i in group], [batch.start_positions[i] for i in group],
-                               [batch.token_ids[i] for i in group], all_logits=False, keep_hidden=batch.keep_hidden)
-            out = self.forward(sub)  # logits [G, 1, V]
-            for j, i in enumerate(group):
-                logits[i] = out.logits[j]
-                if out.hidden is not None:
-                    hidden[i] = out.hidden[j]
-        return ForwardOutput(torch.stack(logits), hidden if batch.keep_hidden else None)
+        chunks next to decodes): one pass, whatever the lengths (see flat_attention.py)."""
+        return self.forward(replace(batch, all_logits=False))
 
     def synchronize(self) -> None:
         """Wait for queued device work, so that host timers measure it."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-
-def _padding_groups(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
-    """Split prompt chunks into forward passes whose padding (every row padded to the longest)
-    stays under `max_waste` of the computed tokens: chunks of similar length share a pass, a
-    long one runs alone. One padded [10, 800] pass for ten prompts of 50 to 800 tokens costs
-    several times the ten passes it replaces (attention and matrices over the padding)."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        n = lengths[i]
-        if groups and (len(groups[-1]) + 1) * n <= (1 + max_waste) * (real + n):
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = n
-    return groups
