@@ -171,17 +171,20 @@ def test_group_requests():
 @pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
 def test_attention_equals_the_native_kernel_on_the_same_flat_batch(grouping):
     """One layer's attention: FlatKV.attend against the native model's kernel (layer_ops.h's
-    AttentionBatch), float32, at the generic level, on a mixed batch with trees."""
+    AttentionBatch), float32, at the generic level, on a mixed batch with trees. The native
+    kernel reads float16 pools (widened exactly), so the keys and values are drawn in float16
+    and the torch path reads the same values in float32."""
     g = torch.Generator().manual_seed(7)
     heads, kv_heads, head_dim = 4, 2, 16
     starts, tokens, masks = _mixed_batch(seed=8)
     blocks_each = -(-max(s + len(t) for s, t in zip(starts, tokens)) // BLOCK)
     tables = _tables(len(starts), blocks_each, seed=9)
-    pool_k = torch.randn(len(starts) * blocks_each, BLOCK, kv_heads, head_dim, generator=g)
-    pool_v = torch.randn(pool_k.shape, generator=g)
+    half_k = torch.randn(len(starts) * blocks_each, BLOCK, kv_heads, head_dim, generator=g).half()
+    half_v = torch.randn(half_k.shape, generator=g).half()
+    pool_k, pool_v = half_k.float(), half_v.float()
     flat = flat_batch(tokens, tables, BLOCK, starts, masks)
     q = torch.randn(flat.num_tokens, heads, head_dim, generator=g)
-    want = native.load().paged_attention(0, q, pool_k, pool_v, flat.q_start, flat.block_table, flat.prefix_len,
+    want = native.load().paged_attention(0, q, half_k, half_v, flat.q_start, flat.block_table, flat.prefix_len,
                                           flat.tree_row, flat.tree_start, flat.tree_size, flat.tree_mask)
     rows_k, rows_v = pool_k.view(1, -1, kv_heads, head_dim), pool_v.view(1, -1, kv_heads, head_dim)
     # The tokens' own keys and values are already in the pool: the layer's write changes nothing.
