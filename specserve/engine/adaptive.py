@@ -131,7 +131,11 @@ class SpeculationPlanner:
         best_t = self.cost.predict(shape)
         best = (expected / best_t, list(depths), expected, best_t)
         deepest = 0
-        while heap:
+        drafting = [self.drafting_s(d) for d in range(self.max_depth + 1)]
+        since_best = 0
+        # Gains only fall, so a long run of additions that never beat the best prefix ends the
+        # search (only the cost table's steps could make a later prefix win, and not by much).
+        while heap and since_best < 4 * self.max_depth:
             neg, i, j = heapq.heappop(heap)
             if -neg < 1e-3:
                 break
@@ -143,9 +147,11 @@ class SpeculationPlanner:
             expected += -neg
             depths[i] = j + 1
             deepest = max(deepest, j + 1)
-            t = self.cost.predict(shape) + self.drafting_s(deepest)
+            t = self.cost.predict(shape) + drafting[deepest]
+            since_best += 1
             if expected / t > best[0]:
                 best = (expected / t, list(depths), expected, t)
+                since_best = 0
             if j + 1 < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][j + 1], i, j + 1))
         depths = best[1]
