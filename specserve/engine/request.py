@@ -39,6 +39,10 @@ class Request:
     num_draft_nodes: int = 0
     # True: each step drafts the depth the engine's planner chooses, 0..num_speculative_tokens.
     adaptive: bool = False
+    # Adaptive requests: the most draft slots the next step reserves (the planner's last depth
+    # plus room to grow), so that slots it will not draft into stay in the step's token budget
+    # and the pool. None: every slot max_drafts allows.
+    draft_reserve: int | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
@@ -72,7 +76,8 @@ class Request:
         if depth == 0:
             return 0
         branches = max(0, self.num_draft_nodes - self.num_speculative_tokens)
-        return depth + min(branches, max_model_len - self.num_tokens - depth)
+        slots = depth + min(branches, max_model_len - self.num_tokens - depth)
+        return slots if self.draft_reserve is None else min(slots, self.draft_reserve)
 
     @property
     def finished(self) -> bool:
