@@ -7,7 +7,6 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
-from specserve.engine import adaptive as adaptive_module
 from specserve.engine import cost_model as cost_module
 from specserve.engine.adaptive import PROBE_EVERY, AcceptanceEstimate, PlanRow, SpeculationPlanner
 from specserve.engine.cost_model import KNOTS, PassCostModel, PassShape
