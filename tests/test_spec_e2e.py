@@ -3,6 +3,7 @@
 target's exact distribution."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -185,3 +186,25 @@ def test_bad_speculative_configs_are_refused(tiny, tmp_path):
     other_vocab = make_tiny_checkpoint(tmp_path / "v", vocab_size=96)
     with pytest.raises(InvalidParameterError, match="vocabulary has 96 tokens but the target's has 64"):
         LLM(loaded=loaded, speculative_config={"method": "draft_model", "model": str(other_vocab)})
+
+
+def test_adaptive_draft_lengths_keep_the_target_distribution(micro, monkeypatch):
+    """With num_speculative_tokens "auto" the depth of each step depends on earlier steps'
+    acceptance; each verification is still exact given that history, so the joint law of the
+    first 3 tokens is the target's. A made-up machine where drafts are cheap keeps drafting on."""
+    from specserve.engine import cost_model as cost_module
+    from specserve.engine.cost_model import KNOTS, PassCostModel
+
+    loaded, draft = micro
+    prompt, params = [3, 5, 2], SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
+    exact = exact_joint(loaded, prompt, params)
+    monkeypatch.setattr(cost_module, "LEARNING_RATE", 0.0)
+    llm = LLM(loaded=loaded, max_num_seqs=512, speculative_config={"method": "draft_model", "model": str(draft)})
+    llm.engine.planner.cost = PassCostModel([1e-2 + 1e-5 * k for k in KNOTS])
+    n = 6000
+    outs = llm.generate([prompt] * n, [replace(params, seed=i) for i in range(n)], use_tqdm=False)
+    depths = llm.engine.stats().draft_depth_counts
+    assert depths[1] + depths[2] > 0, depths  # it drafted
+    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [n, 3]
+    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
+    assert chi_square_pvalue(cells, exact) > 1e-3

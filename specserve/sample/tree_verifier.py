@@ -106,7 +106,8 @@ def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[
     if sampled:
         width = 1 + max(trees[b].num_nodes for b in sampled)
         # Past a tree's own nodes a row repeats its root's logits (never read).
-        index = torch.tensor([[logit_start[b] + (j if j <= trees[b].num_nodes else 0) for j in range(width)] for b in sampled], device=logits.device)
+        index = torch.tensor([[logit_start[b] + (j if j <= trees[b].num_nodes else 0) for j in range(width)]
+                              for b in sampled], device=logits.device)  # [S, width] rows of `logits`
         sub = tree_verify([trees[b] for b in sampled], logits[index], st.select(sampled),
                           [generators[b] for b in sampled], typical)
         for j, b in enumerate(sampled):
