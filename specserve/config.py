@@ -7,7 +7,11 @@ from dataclasses import dataclass, fields
 from specserve.errors import InvalidParameterError
 from specserve.spec.ngram import check_lookup_params, check_num_branches
 
+# Every drafting method, by the name speculative_config's "method" takes. The command-line
+# choices (engine_args, bench, tune) are derived from these two tuples.
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+# Methods that need a path in speculative_config's "model" (bench and tune: METHOD:PATH).
+PATH_METHODS = ("draft_model", "eagle", "medusa")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
 MAX_SPECULATIVE_TOKENS = 32
 # Trained drafters (a `specserve train-draft` folder in `model`), which draft token trees.

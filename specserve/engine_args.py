@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 
+from specserve.config import PATH_METHODS, SPEC_METHODS
 from specserve.config_file import pick
 from specserve.errors import InvalidParameterError
 from specserve.hardware import QUANTIZATIONS
 
 AUTO = "auto"  # num_speculative_tokens: the engine chooses k each step by its cost model, up to a cap
-SPECULATIVE_METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
+SPECULATIVE_METHODS = ("none", *SPEC_METHODS)
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 TREE_KEYS = ("num_draft_nodes", "draft_topk")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
@@ -27,6 +28,12 @@ _METHOD_KEYS = {"ngram": LOOKUP_KEYS, "draft_model": ("model",), "eagle": ("mode
 # The engine arguments a command may have, as LLM's keyword arguments.
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching")
 SERVE_MAX_NUM_SEQS = 16  # a server's default batch (LLM's own default is smaller: one user's prompts)
+
+
+def methods_help() -> str:
+    """'none, ngram, ..., draft_model:PATH, eagle:DIR, medusa:DIR': the methods bench and tune take."""
+    return ", ".join(m if m not in PATH_METHODS else f"{m}:{'PATH' if m == 'draft_model' else 'DIR'}"
+                     for m in SPECULATIVE_METHODS)
 
 
 # ---- arguments -------------------------------------------------------------------------------

@@ -15,10 +15,11 @@ from dataclasses import fields, replace
 
 from specserve import engine_args
 from specserve.bench.runner import Config
+from specserve.config import PATH_METHODS
 from specserve.errors import InvalidParameterError
 
-METHODS = ("none", "ngram", "draft_model", "eagle", "medusa")
-WITH_PATH = ("draft_model", "eagle", "medusa")  # methods named as METHOD:PATH
+METHODS = engine_args.SPECULATIVE_METHODS
+WITH_PATH = PATH_METHODS  # methods named as METHOD:PATH
 PEERS = ("transformers", "llama.cpp")
 MAX_CONCURRENCY = 4096  # the engine's limit on max_num_seqs
 
@@ -32,7 +33,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     b.add_argument("--categories", default=None, help="comma list of categories")
     b.add_argument("--methods", default="none,ngram",
-                   help="comma list of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR (DIR: a train-draft folder); "
+                   help=f"comma list of {engine_args.methods_help()} (DIR: a train-draft folder); "
                         "a --config file's speculative_config runs as one more, named config")
     b.add_argument("--num-speculative-tokens", default="auto",
                    help="k or auto (the engine chooses k each step; the default), or a comma list to sweep (e.g. auto,2,4,8)")
@@ -55,7 +56,7 @@ def add_bench_parser(sub) -> None:
 
 def parse_methods(text: str) -> list[tuple[str, str | None]]:
     """'none,ngram,draft_model:PATH,eagle:DIR' -> [(name, draft path or None)]."""
-    allowed = "each must be one of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR"
+    allowed = f"each must be one of {engine_args.methods_help()}"
     out = []
     for item in filter(None, (m.strip() for m in text.split(","))):
         name, _, path = item.partition(":")
@@ -68,7 +69,7 @@ def parse_methods(text: str) -> list[tuple[str, str | None]]:
         if (name, path or None) not in out:
             out.append((name, path or None))
     if not out:
-        raise InvalidParameterError("methods", text, "name at least one of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR")
+        raise InvalidParameterError("methods", text, f"name at least one of {engine_args.methods_help()}")
     return out
 
 

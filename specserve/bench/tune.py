@@ -34,7 +34,7 @@ def add_tune_parser(sub) -> None:
     t.add_argument("--concurrency", type=int, default=1, help="requests in flight, as the server will run them")
     t.add_argument("--max-tokens", type=int, default=64)
     t.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="comma list of none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR ('default' for the "
+                   help=f"comma list of {engine_args.methods_help()} ('default' for the "
                         "embedded EAGLE drafter); each is tried with 'auto' and fixed k, and its tree knobs")
     t.add_argument("--output", default="specserve-tuned.json", help="the config file to write")
     engine_args.add_model_args(t)
@@ -61,9 +61,10 @@ def candidates(methods: list[tuple[str, str | None]]) -> list[tuple[Config, dict
                 if nodes:
                     spec["num_draft_nodes"] = nodes
                 specs.append((Config(name, k, path, f"nodes={nodes}" if nodes else ""), spec))
-        elif name == "medusa":
+        else:  # adaptive and a short sweep of k; a path only for the methods that take one
             for k in ("auto", 2, 4):
-                specs.append((Config(name, k, path), {"method": name, "model": path, "num_speculative_tokens": k}))
+                spec = {"method": name, "num_speculative_tokens": k} | ({"model": path} if path else {})
+                specs.append((Config(name, k, path), spec))
         for _, spec in specs:
             SpeculativeConfig.from_dict(spec)  # refuse bad settings before loading anything
         out += specs
