@@ -114,8 +114,13 @@ class VerifyFeedback:
     # Indices of the accepted drafts in proposal order: a chain's 0..a-1, a tree's accepted path
     # of node indices (root's child first).
     accepted_nodes: list[list[int]]
+    # Only for proposers with needs_node_predictions (spec/proposer.py): per request, the
+    # target's argmax of the raw logits at the root and at every node, [1 + num_draft] ints,
+    # root first then nodes in proposal order. None otherwise.
+    node_predictions: list[list[int]] | None = None
 
     def row(self, i: int) -> VerifyFeedback:
         """The feedback of the i-th request alone."""
         return VerifyFeedback([self.request_ids[i]], [self.num_draft[i]], [self.num_accepted[i]],
-                              [self.committed_token_ids[i]], [self.accepted_nodes[i]])
+                              [self.committed_token_ids[i]], [self.accepted_nodes[i]],
+                              None if self.node_predictions is None else [self.node_predictions[i]])

@@ -53,6 +53,9 @@ class _Computed:
     depth: int = 0  # the most that could be accepted (a chain's length, a tree's depth)
     proposer_time_s: float = 0.0  # this request's share of the step's drafting and target time
     target_time_s: float = 0.0
+    # [1 + num_draft] argmax of the raw logits at the root and each node, for proposers with
+    # needs_node_predictions; None otherwise.
+    node_predictions: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,7 @@ class LLMEngine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
         self.keep_hidden = bool(proposer and proposer.needs_hidden_states)
+        self.keep_predictions = bool(proposer and proposer.needs_node_predictions)
         num_blocks = num_kv_blocks(target, config)
         self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, num_blocks)
@@ -291,6 +295,8 @@ class LLMEngine:
         rows = [i for i, s in enumerate(samples) if s]
         paths: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
+        # One argmax over the rows every sampling request has anyway (its root and nodes).
+        argmax = fwd.logits.argmax(-1).tolist() if self.keep_predictions and rows else None  # [M]
         if rows:
             st = SamplingTensors.from_params([reqs[i].params for i in rows], fwd.logits.device)
             out = verify_flat([trees[i] for i in rows], fwd.logits, [fwd.logit_start[i] for i in rows] + [fwd.logit_start[-1]],
@@ -328,6 +334,8 @@ class LLMEngine:
                 logits = fwd.logits[[lo] + [lo + 1 + n for n in p]]  # row j scored committed token j
             c = _Computed(emitted.get(i, []), logits, hidden, decode=s.decode, accepted_nodes=p,
                           num_draft=t.num_nodes, depth=t.max_depth)
+            if argmax is not None and i in emitted:
+                c.node_predictions = argmax[fwd.logit_start[i]:fwd.logit_start[i + 1]]
             if s.decode:
                 c.proposer_time_s, c.target_time_s = (t1 - t0) / share, (t2 - t1) / share
             computed.append(c)
@@ -383,7 +391,7 @@ class LLMEngine:
     def update(self, sched: SchedulerOutput, computed: list[_Computed | Exception]) -> list[RequestOutput]:
         """Commit each request's share, hand its progress to the scheduler, and return the
         outputs of requests that sampled or finished."""
-        feedback = VerifyFeedback([], [], [], [], [])
+        feedback = VerifyFeedback([], [], [], [], [], [] if self.keep_predictions else None)
         outputs = []
         for s, c in zip(sched.scheduled, computed):
             r = s.request
@@ -432,6 +440,8 @@ class LLMEngine:
             feedback.num_accepted.append(accepted)
             feedback.committed_token_ids.append(committed)
             feedback.accepted_nodes.append(c.accepted_nodes)
+            if feedback.node_predictions is not None:
+                feedback.node_predictions.append(c.node_predictions or [])
         return len(committed)
 
     def _observe(self, feedback: VerifyFeedback) -> None:

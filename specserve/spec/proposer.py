@@ -26,6 +26,12 @@ The contract, per request, in the order the engine keeps:
     stop condition ends the request inside the accepted path; it is removed right after). A
     request may reach `propose` before any hidden state (its whole prompt but the last token
     came from the prefix cache, so its first computation is a decode step): draft nothing then.
+  - Node predictions, only for proposers with `needs_node_predictions = True` (lookahead):
+    every `VerifyFeedback` then carries `node_predictions[b]` = the target's argmax of its raw
+    logits at the root and at every node of the tree it verified for request b, 1 + num_draft
+    ints (root first, then nodes in proposal order; [root] alone after a step without drafts).
+    A node's prediction is the target's greedy next token after the node's path, whatever the
+    request's sampling: what a Jacobi iteration needs, computed from logits the step has anyway.
   - `remove_request` when a request finishes, is aborted or is preempted; a preempted request
     comes back later with a fresh prefill (and fresh `observe_hidden` calls from its start).
 """
@@ -48,6 +54,7 @@ class Proposer(ABC):
 
     name: str
     needs_hidden_states: bool = False  # True: the engine calls observe_hidden (module note)
+    needs_node_predictions: bool = False  # True: feedback carries node_predictions (module note)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         """A request starts speculating. Stateless proposers need nothing."""
