@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from specserve.errors import InvalidParameterError
+from specserve.spec.lookahead import DEFAULT_CANDIDATES, DEFAULT_NGRAM, DEFAULT_WINDOW, check_lookahead_params
 from specserve.spec.ngram import check_lookup_params, check_num_branches
 
 # Every drafting method, by the name speculative_config's "method" takes. The command-line
 # choices (engine_args, bench, tune) are derived from these two tuples.
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa", "lookahead")
 # Methods that need a path in speculative_config's "model" (bench and tune: METHOD:PATH).
 PATH_METHODS = ("draft_model", "eagle", "medusa")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
@@ -22,7 +23,7 @@ ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per request
 # and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
 # draft model or EAGLE drafts one depth per small pass, so their caps are lower.
-AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4}
+AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4, "lookahead": 3}
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -51,6 +52,11 @@ class SpeculativeConfig:
     # "typical_acceptance_sampler": Medusa's typical acceptance for sampled requests, LOSSY (the
     # output no longer has exactly the target's distribution; greedy output is unchanged).
     # Off by default: "rejection_sampler" keeps every output exactly the target's.
+    # lookahead: the window's columns W, the n-gram size N (the window has N - 1 levels) and the
+    # verification candidates G per step (spec/lookahead.py); None: that method's defaults.
+    lookahead_window: int | None = None
+    lookahead_ngram: int | None = None
+    lookahead_candidates: int | None = None
     acceptance_method: str = "rejection_sampler"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
@@ -73,6 +79,12 @@ class SpeculativeConfig:
         check_num_branches(self.num_branches)
         if self.num_branches > 1 and self.method != "ngram":
             raise InvalidParameterError("num_branches", self.num_branches, "applies to method 'ngram' only (1 otherwise)")
+        knobs = {"lookahead_window": self.lookahead_window, "lookahead_ngram": self.lookahead_ngram,
+                 "lookahead_candidates": self.lookahead_candidates}
+        if self.method == "lookahead":
+            check_lookahead_params(*self.lookahead_params)
+        elif given := [k for k, v in knobs.items() if v is not None]:
+            raise InvalidParameterError(given[0], knobs[given[0]], "applies to method 'lookahead' only (leave it unset)")
         if self.method == "draft_model" and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model, "method 'draft_model' needs the draft model's path")
         if self.method in DRAFTER_METHODS and not self.model:
@@ -100,6 +112,13 @@ class SpeculativeConfig:
         if not self.adaptive:
             return self.num_speculative_tokens
         return self.max_speculative_tokens or AUTO_MAX_SPECULATIVE_TOKENS[self.method]
+
+    @property
+    def lookahead_params(self) -> tuple[int, int, int]:
+        """(W, N, G), each as given or its default."""
+        return (DEFAULT_WINDOW if self.lookahead_window is None else self.lookahead_window,
+                DEFAULT_NGRAM if self.lookahead_ngram is None else self.lookahead_ngram,
+                DEFAULT_CANDIDATES if self.lookahead_candidates is None else self.lookahead_candidates)
 
     @property
     def lossy(self) -> bool:

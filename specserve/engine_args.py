@@ -21,10 +21,11 @@ SPECULATIVE_METHODS = ("none", *SPEC_METHODS)
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 TREE_KEYS = ("num_draft_nodes", "draft_topk")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
+LOOKAHEAD_KEYS = ("lookahead_window", "lookahead_ngram", "lookahead_candidates")
 # The speculative_config keys each method's command-line flags set (besides method,
 # num_speculative_tokens and the acceptance keys, which every method takes).
 _METHOD_KEYS = {"ngram": LOOKUP_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
-                "medusa": ("model", *TREE_KEYS)}
+                "medusa": ("model", *TREE_KEYS), "lookahead": LOOKAHEAD_KEYS}
 # The engine arguments a command may have, as LLM's keyword arguments.
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching")
 SERVE_MAX_NUM_SEQS = 16  # a server's default batch (LLM's own default is smaller: one user's prompts)
@@ -66,6 +67,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="tokens drafted per step (k), or 'auto' (the default): the engine chooses k each step, up to a cap")
     add_lookup_args(p)
     add_tree_args(p)
+    add_lookahead_args(p)
     p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"], default=None,
                    help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
                         "(output no longer exactly the target's distribution; greedy unchanged). "
@@ -84,6 +86,13 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                    help="eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
                         "--num-speculative-tokens); default: eagle 8, medusa the tree it was trained with")
     p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 2)")
+
+
+def add_lookahead_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookahead-window", type=int, default=None, help="lookahead: Jacobi window columns W (default 2)")
+    p.add_argument("--lookahead-ngram", type=int, default=None, help="lookahead: n-gram size N (default 3)")
+    p.add_argument("--lookahead-candidates", type=int, default=None,
+                   help="lookahead: n-grams verified per step G (default 2)")
 
 
 def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
@@ -134,7 +143,7 @@ def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
 def speculative_config(args: argparse.Namespace, file: dict) -> dict | None:
     """generate's and serve's speculative_config (None: no speculation)."""
     flags = {"method": args.speculative, "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
-    flags = {k: v for k, v in flags.items() if v is not None} | given(args, LOOKUP_KEYS + TREE_KEYS + TYPICAL_KEYS)
+    flags = {k: v for k, v in flags.items() if v is not None} | given(args, LOOKUP_KEYS + TREE_KEYS + TYPICAL_KEYS + LOOKAHEAD_KEYS)
     return merge_speculative(flags, file.get("speculative_config"))
 
 

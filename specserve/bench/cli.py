@@ -39,6 +39,7 @@ def add_bench_parser(sub) -> None:
                    help="k or auto (the engine chooses k each step; the default), or a comma list to sweep (e.g. auto,2,4,8)")
     engine_args.add_tree_args(b)
     engine_args.add_lookup_args(b)
+    engine_args.add_lookahead_args(b)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--max-tokens", type=int, default=128)
@@ -164,7 +165,7 @@ def run_bench(args) -> int:
     methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
     concurrency = parse_concurrency(args.concurrency)
     file = load_config_file(args.config)
-    flags = engine_args.given(args, engine_args.LOOKUP_KEYS + engine_args.TREE_KEYS)
+    flags = engine_args.given(args, engine_args.LOOKUP_KEYS + engine_args.TREE_KEYS + engine_args.LOOKAHEAD_KEYS)
     spec_configs = speculative_configs(methods, ks, flags, file.get("speculative_config"))
     defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
     lookup = {k: flags.get(k, defaults[k]) for k in engine_args.LOOKUP_KEYS}
@@ -200,7 +201,8 @@ def run_bench(args) -> int:
                 "categories": {c: categories.count(c) for c in dict.fromkeys(categories)},
                 "prompt_tokens": sum(len(ids) for _, ids in fitting)}
     settings = {"dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                "seed": args.seed, "max_model_len": max_len, **lookup, **engine_args.given(args, engine_args.TREE_KEYS)}
+                "seed": args.seed, "max_model_len": max_len, **lookup,
+                **engine_args.given(args, engine_args.TREE_KEYS + engine_args.LOOKAHEAD_KEYS)}
     if "max_num_batched_tokens" in engine:
         settings["max_num_batched_tokens"] = engine["max_num_batched_tokens"]
     if args.config:

@@ -61,6 +61,12 @@ def candidates(methods: list[tuple[str, str | None]]) -> list[tuple[Config, dict
                 if nodes:
                     spec["num_draft_nodes"] = nodes
                 specs.append((Config(name, k, path, f"nodes={nodes}" if nodes else ""), spec))
+        elif name == "lookahead":
+            for k, (w, n, g) in (("auto", (None, None, None)), (3, (2, 3, 2)), (4, (3, 3, 2)), (4, (2, 4, 3))):
+                spec = {"method": name, "num_speculative_tokens": k}
+                if w is not None:
+                    spec |= {"lookahead_window": w, "lookahead_ngram": n, "lookahead_candidates": g}
+                specs.append((Config(name, k, variant=f"W={w},N={n},G={g}" if w is not None else ""), spec))
         else:  # adaptive and a short sweep of k; a path only for the methods that take one
             for k in ("auto", 2, 4):
                 spec = {"method": name, "num_speculative_tokens": k} | ({"model": path} if path else {})

@@ -14,6 +14,9 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         from specserve.spec.ngram import NgramProposer
         return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
                              num_branches=spec.num_branches)
+    if spec.method == "lookahead":
+        from specserve.spec.lookahead import LookaheadProposer
+        return LookaheadProposer(*spec.lookahead_params)
     if spec.method == "eagle":
         from specserve.spec.eagle import EagleProposer
         from specserve.spec.heads.drafter import drafter_path, load_drafter
