@@ -22,8 +22,9 @@ MAX_DRAFT_TOPK = 32
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per request
 # and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
-# draft model or EAGLE drafts one depth per small pass, so their caps are lower.
-AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4, "lookahead": 3}
+# draft model or EAGLE drafts one depth per small pass, so their caps are lower. Lookahead's is
+# its whole tree's depth W + N - 2 (SpeculativeConfig.k; listed here for its defaults).
+AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4, "lookahead": 2}
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -111,6 +112,9 @@ class SpeculativeConfig:
         """The fixed k, or "auto"'s cap."""
         if not self.adaptive:
             return self.num_speculative_tokens
+        if self.method == "lookahead" and self.max_speculative_tokens is None:
+            window, ngram, _ = self.lookahead_params
+            return window + ngram - 2  # deeper, nothing is drafted
         return self.max_speculative_tokens or AUTO_MAX_SPECULATIVE_TOKENS[self.method]
 
     @property

@@ -89,7 +89,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_lookahead_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lookahead-window", type=int, default=None, help="lookahead: Jacobi window columns W (default 2)")
+    p.add_argument("--lookahead-window", type=int, default=None, help="lookahead: Jacobi window columns W (default 1)")
     p.add_argument("--lookahead-ngram", type=int, default=None, help="lookahead: n-gram size N (default 3)")
     p.add_argument("--lookahead-candidates", type=int, default=None,
                    help="lookahead: n-grams verified per step G (default 2)")

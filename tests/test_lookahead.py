@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specserve.config import SpeculativeConfig
+from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.drafts import SpecRequest, VerifyFeedback
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
@@ -188,16 +188,21 @@ def test_lookahead_settings_apply_to_lookahead_only():
         SpeculativeConfig(method="ngram", lookahead_ngram=4)
     cfg = SpeculativeConfig.from_dict({"method": "lookahead", "lookahead_window": 4})
     assert cfg.lookahead_params == (4, 3, 2) and cfg.adaptive
+    assert cfg.k == 4 + 3 - 2  # auto's cap: the whole tree's depth
+    assert SpeculativeConfig(method="lookahead").k == AUTO_MAX_SPECULATIVE_TOKENS["lookahead"]
+    assert SpeculativeConfig(method="lookahead", max_speculative_tokens=5).k == 5
 
 
 # ---- end to end --------------------------------------------------------------------------------
 
 def test_smollm_lookahead_greedy_equals_plain(smollm):
-    """The embedded model with the default settings, three requests in flight in the paged engine."""
+    """The embedded model, the default W, N, G at the depth of their whole tree (a fixed depth:
+    under "auto" how much is drafted depends on the machine's timings), three requests in
+    flight in the paged engine."""
     msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=40)
     plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=3, speculative_config={"method": "lookahead"})
+    llm = LLM(loaded=smollm, max_num_seqs=3, speculative_config={"method": "lookahead", "num_speculative_tokens": 2})
     outs = llm.chat(msgs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert LLM.aggregate_spec_stats(outs).num_accepted > 0
@@ -218,8 +223,8 @@ def expected8(tiny, prompts8):
 def test_tiny_batches_equal_each_alone(tiny, prompts8, expected8, setting):
     kwargs = {"batch": {}, "preemption": {"num_kv_blocks": 8},
               "chunked_prefill": {"max_num_batched_tokens": 12, "max_num_seqs": 4}}[setting]
-    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "lookahead", "num_speculative_tokens": 3},
-              **{"max_num_seqs": 8, "max_model_len": 128, **kwargs})
+    spec = {"method": "lookahead", "num_speculative_tokens": 4, "lookahead_window": 3}  # wider than the default
+    llm = LLM(loaded=tiny["loaded"], speculative_config=spec, **{"max_num_seqs": 8, "max_model_len": 128, **kwargs})
     assert generate_ids(llm, prompts8, GREEDY) == expected8
     if setting == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
@@ -316,3 +321,25 @@ def test_lookahead_sampling_has_the_target_distribution(micro):  # noqa: F811
     toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [n, 3]
     cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
     assert chi_square_pvalue(cells, exact) > 1e-3
+
+
+def test_command_line_flags(tiny, capsys):
+    from specserve.bench.cli import speculative_configs
+    from specserve.cli import main
+    from tests.test_engine_args import resolve
+
+    _, spec, _ = resolve("serve", "--speculative", "lookahead", "--lookahead-window", "3", "--lookahead-ngram", "4",
+                         "--lookahead-candidates", "1", "--prompt-lookup-max", "2")
+    assert spec == {"method": "lookahead", "num_speculative_tokens": "auto", "lookahead_window": 3,
+                    "lookahead_ngram": 4, "lookahead_candidates": 1}  # the ngram flag is not lookahead's
+    _, spec, _ = resolve("generate", "hi", "--speculative", "ngram", "--lookahead-window", "3")
+    assert spec == {"method": "ngram", "num_speculative_tokens": "auto"}
+    configs = speculative_configs([("lookahead", None)], ["auto", 3], {"lookahead_ngram": 2})
+    assert [s for _, s in configs] == [{"method": "lookahead", "num_speculative_tokens": k, "lookahead_ngram": 2}
+                                       for k in ("auto", 3)]
+    assert main(["generate", "t5 t9 t12 t5 t9", "--model", tiny["target"], "--speculative", "lookahead",
+                 "--max-tokens", "6", "--ignore-eos"]) == 0
+    assert "drafted" in capsys.readouterr().err
+    assert main(["generate", "t5", "--model", tiny["target"], "--speculative", "lookahead",
+                 "--lookahead-window", "0"]) == 2
+    assert "lookahead_window=0" in capsys.readouterr().err

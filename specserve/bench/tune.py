@@ -62,7 +62,8 @@ def candidates(methods: list[tuple[str, str | None]]) -> list[tuple[Config, dict
                     spec["num_draft_nodes"] = nodes
                 specs.append((Config(name, k, path, f"nodes={nodes}" if nodes else ""), spec))
         elif name == "lookahead":
-            for k, (w, n, g) in (("auto", (None, None, None)), (3, (2, 3, 2)), (4, (3, 3, 2)), (4, (2, 4, 3))):
+            # Adaptive at the defaults; each fixed setting drafts its whole tree (depth W + N - 2).
+            for k, (w, n, g) in (("auto", (None, None, None)), (2, (1, 3, 2)), (3, (2, 3, 2)), (3, (1, 4, 3))):
                 spec = {"method": name, "num_speculative_tokens": k}
                 if w is not None:
                     spec |= {"lookahead_window": w, "lookahead_ngram": n, "lookahead_candidates": g}

@@ -38,11 +38,15 @@ from specserve.spec.proposer import Proposer
 MAX_WINDOW = 16
 MAX_NGRAM = 8
 MAX_CANDIDATES = 16
-# Defaults chosen by measurement on the 2-core CPU (README, "Lookahead decoding"): a pass of n
-# tokens costs ~4.25 ms at 1, 4.5 at 5, 6.2 at 9 and 10 at 16, so only a small tree pays. A
-# window of 2 columns of 2 levels (4 nodes) plus 2 trigram candidates (4 nodes) is 8 nodes,
-# depth 3.
-DEFAULT_WINDOW = 2
+# Defaults chosen by measurement on the 2-core CPU, where a pass of n tokens costs ~4.25 ms at
+# 1, 4.5 at 5, 6.2 at 9 and 10 at 16 (embedded SmolLM2-135M Q4_1, native kernels): only a small
+# tree pays. Spec-Bench, one prompt per category, 64 tokens, greedy, fixed depth: W=1 N=3 G=2
+# (6 nodes, depth 2) accepted 1.345 tokens per pass at 3.8 nodes per pass; W=2 (8 nodes, depth 3)
+# 1.380 at 5.7; W=3 (10 nodes, depth 4) 1.415 at 7.7; W=3 N=4 G=3 1.441 at 12.0. Each column
+# more buys ~0.03 tokens per pass for N - 1 more nodes, which costs more than it brings here.
+# A window of one column still runs the Jacobi iteration: without it (the candidates alone)
+# 1.262 per pass; with it but without the context's n-grams in the pool (the paper's pool) 1.215.
+DEFAULT_WINDOW = 1
 DEFAULT_NGRAM = 3
 DEFAULT_CANDIDATES = 2
 
