@@ -127,8 +127,8 @@ def test_measure_warms_up_then_interleaves_in_rotating_order():
 # ---- the command --------------------------------------------------------------------------------
 
 def test_parse_errors():
-    with pytest.raises(InvalidParameterError, match="none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR"):
-        parse_methods("none,lookahead")
+    with pytest.raises(InvalidParameterError, match="none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR, lookahead"):
+        parse_methods("none,jacobi")
     for name in ("draft_model", "eagle", "medusa"):
         with pytest.raises(InvalidParameterError, match="needs a path"):
             parse_methods(name)
