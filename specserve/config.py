@@ -6,10 +6,12 @@ from dataclasses import dataclass, fields
 
 from specserve.errors import InvalidParameterError
 from specserve.spec.ngram import check_lookup_params, check_num_branches
+from specserve.spec.suffix import (DEFAULT_CACHE_TOKENS, DEFAULT_MIN_TOKEN_PROB, DEFAULT_SPEC_FACTOR,
+                                   DEFAULT_TREE_DEPTH, check_suffix_params)
 
 # Every drafting method, by the name speculative_config's "method" takes. The command-line
 # choices (engine_args, bench, tune) are derived from these two tuples.
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
 # Methods that need a path in speculative_config's "model" (bench and tune: METHOD:PATH).
 PATH_METHODS = ("draft_model", "eagle", "medusa")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
@@ -22,7 +24,8 @@ ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per request
 # and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
 # draft model or EAGLE drafts one depth per small pass, so their caps are lower.
-AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4}
+# Suffix decoding drafts whole remembered continuations: long drafts pay when it matches well.
+AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 16, "draft_model": 6, "eagle": 6, "medusa": 4}
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -43,6 +46,13 @@ class SpeculativeConfig:
     # n-gram: continuations of several earlier occurrences drafted as the branches of one token
     # tree, verified in one pass (1: a single chain). num_speculative_tokens is then its depth.
     num_branches: int = 1
+    # suffix: longest suffix matched (and so the depth of its trees), the global tree's size in
+    # tokens of earlier outputs (0: none), draft depth per matched token, and the smallest
+    # estimated probability of a drafted node.
+    suffix_tree_depth: int = DEFAULT_TREE_DEPTH
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    suffix_spec_factor: float = DEFAULT_SPEC_FACTOR
+    suffix_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
     # eagle, medusa: draft-tree nodes verified per step (num_speculative_tokens is the tree's
     # depth); None: eagle DEFAULT_EAGLE_NODES, medusa the tree chosen when it was trained.
     num_draft_nodes: int | None = None
@@ -71,6 +81,12 @@ class SpeculativeConfig:
         if self.method == "ngram":
             check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
         check_num_branches(self.num_branches)
+        check_suffix_params(self.suffix_tree_depth, self.suffix_cache_tokens, self.suffix_spec_factor,
+                            self.suffix_min_token_prob)
+        suffix_keys = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
+        changed = [k for k in suffix_keys if getattr(self, k) != SpeculativeConfig.__dataclass_fields__[k].default]
+        if changed and self.method != "suffix":
+            raise InvalidParameterError(changed[0], getattr(self, changed[0]), "applies to method 'suffix' only")
         if self.num_branches > 1 and self.method != "ngram":
             raise InvalidParameterError("num_branches", self.num_branches, "applies to method 'ngram' only (1 otherwise)")
         if self.method == "draft_model" and not self.model:

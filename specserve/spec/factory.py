@@ -14,6 +14,10 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         from specserve.spec.ngram import NgramProposer
         return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
                              num_branches=spec.num_branches)
+    if spec.method == "suffix":
+        from specserve.spec.suffix import SuffixProposer
+        return SuffixProposer(max_depth=spec.suffix_tree_depth, cache_tokens=spec.suffix_cache_tokens,
+                              spec_factor=spec.suffix_spec_factor, min_token_prob=spec.suffix_min_token_prob)
     if spec.method == "eagle":
         from specserve.spec.eagle import EagleProposer
         from specserve.spec.heads.drafter import drafter_path, load_drafter
