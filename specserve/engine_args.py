@@ -85,10 +85,10 @@ def add_lookup_args(p: argparse.ArgumentParser) -> None:
 
 def add_suffix_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix-tree-depth", type=int, default=None,
-                   help="suffix: longest suffix matched, and the depth of the suffix trees (default 24)")
+                   help="suffix: longest suffix matched, and the depth of the suffix trees (default 16)")
     p.add_argument("--suffix-cache-tokens", type=int, default=None,
                    help="suffix: tokens of earlier outputs kept in the global tree, least recently used out "
-                        "(default 32768; 0: per-request trees only)")
+                        "(default 16384; 0: per-request trees only)")
     p.add_argument("--suffix-spec-factor", type=float, default=None,
                    help="suffix: draft depth per token of the matched suffix (default 1.0)")
     p.add_argument("--suffix-min-token-prob", type=float, default=None,

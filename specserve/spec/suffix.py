@@ -27,8 +27,11 @@ from specserve.errors import InvalidParameterError
 from specserve.spec.proposer import Proposer
 
 MAX_TREE_DEPTH = 64
-DEFAULT_TREE_DEPTH = 24
-DEFAULT_CACHE_TOKENS = 1 << 15
+# A tree of depth D holds up to D nodes per token of text (~260 bytes each in Python: ~4 KiB
+# per token at 16 where the text does not repeat, far less where it does); drafts go on past
+# the depth (draft_tree), so a deeper tree only sharpens the match.
+DEFAULT_TREE_DEPTH = 16
+DEFAULT_CACHE_TOKENS = 1 << 14
 MAX_CACHE_TOKENS = 1 << 24
 DEFAULT_SPEC_FACTOR = 1.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
