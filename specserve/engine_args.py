@@ -21,10 +21,11 @@ SPECULATIVE_METHODS = ("none", *SPEC_METHODS)
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 TREE_KEYS = ("num_draft_nodes", "draft_topk")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
+SELF_SPEC_KEYS = ("skip_layers",)
 # The speculative_config keys each method's command-line flags set (besides method,
 # num_speculative_tokens and the acceptance keys, which every method takes).
 _METHOD_KEYS = {"ngram": LOOKUP_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
-                "medusa": ("model", *TREE_KEYS)}
+                "medusa": ("model", *TREE_KEYS), "self_spec": SELF_SPEC_KEYS}
 # The engine arguments a command may have, as LLM's keyword arguments.
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching")
 SERVE_MAX_NUM_SEQS = 16  # a server's default batch (LLM's own default is smaller: one user's prompts)
@@ -66,6 +67,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="tokens drafted per step (k), or 'auto' (the default): the engine chooses k each step, up to a cap")
     add_lookup_args(p)
     add_tree_args(p)
+    p.add_argument("--skip-layers", type=_skip_layers_arg, default=None, metavar="I,J,...",
+                   help="self_spec: the target's decoder layers its draft skips, e.g. 3,5,7 (default: the model's "
+                        "layer set from `specserve self-spec-search`, shipped for the embedded model)")
     p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"], default=None,
                    help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
                         "(output no longer exactly the target's distribution; greedy unchanged). "
@@ -118,6 +122,21 @@ def _speculative_tokens_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def skip_layers(text: str) -> list[int]:
+    """--skip-layers: a comma list of layer indices."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError("skip_layers", text, "must be a comma list of layer indices, e.g. 3,5,7") from None
+
+
+def _skip_layers_arg(text: str) -> list[int]:
+    try:
+        return skip_layers(text)
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # ---- parsed arguments -> what the engine is built from ------------------------------------------
 
 def load_kwargs(args: argparse.Namespace, file: dict) -> dict:
@@ -134,7 +153,7 @@ def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
 def speculative_config(args: argparse.Namespace, file: dict) -> dict | None:
     """generate's and serve's speculative_config (None: no speculation)."""
     flags = {"method": args.speculative, "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
-    flags = {k: v for k, v in flags.items() if v is not None} | given(args, LOOKUP_KEYS + TREE_KEYS + TYPICAL_KEYS)
+    flags = {k: v for k, v in flags.items() if v is not None} | given(args, LOOKUP_KEYS + TREE_KEYS + TYPICAL_KEYS + SELF_SPEC_KEYS)
     return merge_speculative(flags, file.get("speculative_config"))
 
 
