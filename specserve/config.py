@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from specserve.errors import InvalidParameterError
+from specserve.spec.layer_set import check_skip_layers
 from specserve.spec.ngram import check_lookup_params, check_num_branches
 from specserve.spec.suffix import (DEFAULT_CACHE_TOKENS, DEFAULT_MIN_TOKEN_PROB, DEFAULT_SPEC_FACTOR,
                                    DEFAULT_TREE_DEPTH, check_suffix_params)
 
 # Every drafting method, by the name speculative_config's "method" takes. The command-line
 # choices (engine_args, bench, tune) are derived from these two tuples.
-SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle", "medusa")
+SPEC_METHODS = ("ngram", "suffix", "self_spec", "draft_model", "eagle", "medusa")
 # Methods that need a path in speculative_config's "model" (bench and tune: METHOD:PATH).
 PATH_METHODS = ("draft_model", "eagle", "medusa")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
@@ -25,7 +26,7 @@ ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
 # draft model or EAGLE drafts one depth per small pass, so their caps are lower.
 # Suffix decoding drafts whole remembered continuations: long drafts pay when it matches well.
-AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 16, "draft_model": 6, "eagle": 6, "medusa": 4}
+AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 16, "draft_model": 6, "eagle": 6, "medusa": 4, "self_spec": 6}
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -64,6 +65,9 @@ class SpeculativeConfig:
     acceptance_method: str = "rejection_sampler"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    # self_spec: the target's decoder layers its draft skips; None: the model's layer set
+    # (spec/layer_set.py: next to the model, or shipped for the embedded one).
+    skip_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -94,6 +98,10 @@ class SpeculativeConfig:
         if self.method in DRAFTER_METHODS and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model,
                                         f"method {self.method!r} needs the folder `specserve train-draft` wrote")
+        if self.skip_layers is not None:
+            if self.method != "self_spec":
+                raise InvalidParameterError("skip_layers", self.skip_layers, "applies to method 'self_spec' only")
+            object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, None, "skip_layers"))
         n, topk = self.num_draft_nodes, self.draft_topk
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_NODES):
             raise InvalidParameterError("num_draft_nodes", n, f"must be an integer in [1, {MAX_DRAFT_NODES}] or None")

@@ -22,10 +22,11 @@ LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 TREE_KEYS = ("num_draft_nodes", "draft_topk")
 SUFFIX_KEYS = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
+SELF_SPEC_KEYS = ("skip_layers",)
 # The speculative_config keys each method's command-line flags set (besides method,
 # num_speculative_tokens and the acceptance keys, which every method takes).
 _METHOD_KEYS = {"ngram": LOOKUP_KEYS, "suffix": SUFFIX_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
-                "medusa": ("model", *TREE_KEYS)}
+                "medusa": ("model", *TREE_KEYS), "self_spec": SELF_SPEC_KEYS}
 # Every method's own keys that a command-line flag sets (generate, serve and bench take them all).
 FLAG_KEYS = tuple(dict.fromkeys(k for keys in _METHOD_KEYS.values() for k in keys if k != "model"))
 # The engine arguments a command may have, as LLM's keyword arguments.
@@ -70,6 +71,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     add_lookup_args(p)
     add_suffix_args(p)
     add_tree_args(p)
+    add_self_spec_args(p)
     p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"], default=None,
                    help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
                         "(output no longer exactly the target's distribution; greedy unchanged). "
@@ -93,6 +95,12 @@ def add_suffix_args(p: argparse.ArgumentParser) -> None:
                    help="suffix: draft depth per token of the matched suffix (default 1.0)")
     p.add_argument("--suffix-min-token-prob", type=float, default=None,
                    help="suffix: smallest estimated probability of a drafted token (default 0.1)")
+
+
+def add_self_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-layers", type=_skip_layers_arg, default=None, metavar="I,J,...",
+                   help="self_spec: the target's decoder layers its draft skips, e.g. 3,5,7 (default: the model's "
+                        "layer set from `specserve self-spec-search`, shipped for the embedded model)")
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -131,6 +139,21 @@ def _speculative_tokens_arg(text: str) -> int | str:
     try:
         return speculative_tokens(text)
     except InvalidParameterError as e:  # argparse reports ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def skip_layers(text: str) -> list[int]:
+    """--skip-layers: a comma list of layer indices."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError("skip_layers", text, "must be a comma list of layer indices, e.g. 3,5,7") from None
+
+
+def _skip_layers_arg(text: str) -> list[int]:
+    try:
+        return skip_layers(text)
+    except InvalidParameterError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -41,6 +41,7 @@ def add_bench_parser(sub) -> None:
     engine_args.add_tree_args(b)
     engine_args.add_lookup_args(b)
     engine_args.add_suffix_args(b)
+    engine_args.add_self_spec_args(b)
     b.add_argument("--repeat", type=int, default=1,
                    help="ask the selected prompts this many times, pass after pass, in one engine per configuration "
                         "(what a method learns from earlier requests shows in the later passes; the report adds "
