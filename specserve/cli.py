@@ -1,4 +1,4 @@
-"""specserve command line: generate | bench | serve | bench-serve | tune | train-draft."""
+"""specserve command line: generate | bench | serve | bench-serve | tune | train-draft | self-spec-search."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from specserve.bench.tune import add_tune_parser
     add_tune_parser(sub)
+
+    s = sub.add_parser("self-spec-search", help="find the layers self_spec's draft skips; write them next to the model",
+                       description="Runs the model greedily on calibration prompts, then removes decoder layers one "
+                                   "at a time while the expected speedup of drafting with the rest grows (agreement "
+                                   "with the full model, measured pass costs). A few minutes for a 135M model.")
+    engine_args.add_model_args(s)
+    s.add_argument("--output", default=None, metavar="FILE",
+                   help="the layer set to write (default: <model>.self_spec.json next to the model file or folder, "
+                        "where --speculative self_spec finds it)")
+    s.add_argument("--prompts", default=None, metavar="FILE",
+                   help="a JSON list of calibration prompts (default: specserve's own, not benchmark prompts)")
+    s.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens per calibration prompt (default 32)")
     return parser
 
 
@@ -63,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tune":
             from specserve.bench.tune import run_tune
             return run_tune(args)
+        if args.command == "self-spec-search":
+            return _self_spec_search(args)
         if args.command == "train-draft":
             from specserve.train.cli import run_train
             return run_train(args, sys.argv[1:] if argv is None else argv)
@@ -126,6 +140,40 @@ def _generate(args) -> int:
         same = base.outputs[0].token_ids == final.outputs[0].token_ids
         print(f"plain decoding: {base.metrics.decode_tokens_per_s:.1f} tok/s | speculative speedup {speedup:.2f}x | "
               f"outputs identical: {'yes' if same else 'no'}", file=sys.stderr)
+    return 0
+
+
+def _self_spec_search(args) -> int:
+    import json
+
+    from specserve.errors import InvalidParameterError
+    from specserve.model.loader import load_model
+    from specserve.spec.layer_search import search_layers
+    from specserve.spec.layer_set import layer_set_path, save_layer_set
+
+    if args.max_new_tokens < 2:
+        raise InvalidParameterError("max-new-tokens", args.max_new_tokens, "must be >= 2")
+    prompts = None
+    if args.prompts is not None:
+        try:
+            prompts = json.loads(open(args.prompts).read())
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError("prompts", args.prompts, f"cannot be read as JSON: {e}") from None
+        if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+            raise InvalidParameterError("prompts", args.prompts, "must hold a JSON list of non-empty prompt strings")
+    loaded = load_model(**engine_args.load_kwargs(args, {}))
+    output = args.output or str(layer_set_path(loaded.path))
+    print(f"Searching the layers of {loaded.name} ({loaded.config.num_layers}, {loaded.kernels}) ...", file=sys.stderr)
+    result, figures = search_layers(loaded, prompts, max_new=args.max_new_tokens,
+                                    log=lambda line: print(line, file=sys.stderr))
+    best = result.best
+    save_layer_set(output, loaded, best.skip_layers, figures)
+    print(f"skip layers {','.join(map(str, best.skip_layers))}: agreement {best.agreement:.3f}, draft step "
+          f"{best.draft_cost:.2f}x a target step, k={best.k}: expected speedup {best.speedup:.2f}x "
+          f"({figures['seconds']:.0f} s); wrote {output}")
+    if best.speedup < 1:
+        print("note: no layer set is expected to beat plain decoding on this model and machine: the draft agrees "
+              "too rarely for what its steps cost", file=sys.stderr)
     return 0
 
 

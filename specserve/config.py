@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from specserve.errors import InvalidParameterError
+from specserve.spec.layer_set import check_skip_layers
 from specserve.spec.lookahead import DEFAULT_CANDIDATES, DEFAULT_NGRAM, DEFAULT_WINDOW, check_lookahead_params
 from specserve.spec.ngram import check_lookup_params, check_num_branches
+from specserve.spec.suffix import (DEFAULT_CACHE_TOKENS, DEFAULT_MIN_TOKEN_PROB, DEFAULT_SPEC_FACTOR,
+                                   DEFAULT_TREE_DEPTH, check_suffix_params)
 
 # Every drafting method, by the name speculative_config's "method" takes. The command-line
 # choices (engine_args, bench, tune) are derived from these two tuples.
-SPEC_METHODS = ("ngram", "draft_model", "eagle", "medusa", "lookahead")
+SPEC_METHODS = ("ngram", "suffix", "self_spec", "draft_model", "eagle", "medusa", "lookahead")
 # Methods that need a path in speculative_config's "model" (bench and tune: METHOD:PATH).
 PATH_METHODS = ("draft_model", "eagle", "medusa")
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
@@ -22,9 +25,11 @@ MAX_DRAFT_TOPK = 32
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
 # num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per request
 # and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
-# draft model or EAGLE drafts one depth per small pass, so their caps are lower. Lookahead's is
-# its whole tree's depth W + N - 2 (SpeculativeConfig.k; listed here for its defaults).
-AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "draft_model": 6, "eagle": 6, "medusa": 4, "lookahead": 2}
+# draft model or EAGLE drafts one depth per small pass, so their caps are lower.
+# Suffix decoding drafts whole remembered continuations: long drafts pay when it matches well.
+# Lookahead's cap is its whole tree's depth W + N - 2 (SpeculativeConfig.k; listed for its defaults).
+AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 16, "draft_model": 6, "eagle": 6, "medusa": 4, "self_spec": 6,
+                               "lookahead": 2}
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -45,6 +50,13 @@ class SpeculativeConfig:
     # n-gram: continuations of several earlier occurrences drafted as the branches of one token
     # tree, verified in one pass (1: a single chain). num_speculative_tokens is then its depth.
     num_branches: int = 1
+    # suffix: longest suffix matched (and so the depth of its trees), the global tree's size in
+    # tokens of earlier outputs (0: none), draft depth per matched token, and the smallest
+    # estimated probability of a drafted node.
+    suffix_tree_depth: int = DEFAULT_TREE_DEPTH
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    suffix_spec_factor: float = DEFAULT_SPEC_FACTOR
+    suffix_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
     # eagle, medusa: draft-tree nodes verified per step (num_speculative_tokens is the tree's
     # depth); None: eagle DEFAULT_EAGLE_NODES, medusa the tree chosen when it was trained.
     num_draft_nodes: int | None = None
@@ -61,6 +73,9 @@ class SpeculativeConfig:
     acceptance_method: str = "rejection_sampler"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    # self_spec: the target's decoder layers its draft skips; None: the model's layer set
+    # (spec/layer_set.py: next to the model, or shipped for the embedded one).
+    skip_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -78,6 +93,12 @@ class SpeculativeConfig:
         if self.method == "ngram":
             check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
         check_num_branches(self.num_branches)
+        check_suffix_params(self.suffix_tree_depth, self.suffix_cache_tokens, self.suffix_spec_factor,
+                            self.suffix_min_token_prob)
+        suffix_keys = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
+        changed = [k for k in suffix_keys if getattr(self, k) != SpeculativeConfig.__dataclass_fields__[k].default]
+        if changed and self.method != "suffix":
+            raise InvalidParameterError(changed[0], getattr(self, changed[0]), "applies to method 'suffix' only")
         if self.num_branches > 1 and self.method != "ngram":
             raise InvalidParameterError("num_branches", self.num_branches, "applies to method 'ngram' only (1 otherwise)")
         knobs = {"lookahead_window": self.lookahead_window, "lookahead_ngram": self.lookahead_ngram,
@@ -91,6 +112,10 @@ class SpeculativeConfig:
         if self.method in DRAFTER_METHODS and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model,
                                         f"method {self.method!r} needs the folder `specserve train-draft` wrote")
+        if self.skip_layers is not None:
+            if self.method != "self_spec":
+                raise InvalidParameterError("skip_layers", self.skip_layers, "applies to method 'self_spec' only")
+            object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, None, "skip_layers"))
         n, topk = self.num_draft_nodes, self.draft_topk
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_NODES):
             raise InvalidParameterError("num_draft_nodes", n, f"must be an integer in [1, {MAX_DRAFT_NODES}] or None")

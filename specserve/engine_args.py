@@ -20,12 +20,17 @@ AUTO = "auto"  # num_speculative_tokens: the engine chooses k each step by its c
 SPECULATIVE_METHODS = ("none", *SPEC_METHODS)
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 TREE_KEYS = ("num_draft_nodes", "draft_topk")
+SUFFIX_KEYS = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
+SELF_SPEC_KEYS = ("skip_layers",)
 LOOKAHEAD_KEYS = ("lookahead_window", "lookahead_ngram", "lookahead_candidates")
 # The speculative_config keys each method's command-line flags set (besides method,
 # num_speculative_tokens and the acceptance keys, which every method takes).
-_METHOD_KEYS = {"ngram": LOOKUP_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
-                "medusa": ("model", *TREE_KEYS), "lookahead": LOOKAHEAD_KEYS}
+_METHOD_KEYS = {"ngram": LOOKUP_KEYS, "suffix": SUFFIX_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
+                "medusa": ("model", *TREE_KEYS), "self_spec": SELF_SPEC_KEYS,
+                "lookahead": LOOKAHEAD_KEYS}
+# Every method's own keys that a command-line flag sets (generate, serve and bench take them all).
+FLAG_KEYS = tuple(dict.fromkeys(k for keys in _METHOD_KEYS.values() for k in keys if k != "model"))
 # The engine arguments a command may have, as LLM's keyword arguments.
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching")
 SERVE_MAX_NUM_SEQS = 16  # a server's default batch (LLM's own default is smaller: one user's prompts)
@@ -66,7 +71,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=_speculative_tokens_arg, default=None,
                    help="tokens drafted per step (k), or 'auto' (the default): the engine chooses k each step, up to a cap")
     add_lookup_args(p)
+    add_suffix_args(p)
     add_tree_args(p)
+    add_self_spec_args(p)
     add_lookahead_args(p)
     p.add_argument("--acceptance-method", choices=["rejection_sampler", "typical_acceptance_sampler"], default=None,
                    help="typical_acceptance_sampler: Medusa's typical acceptance for sampled requests; LOSSY "
@@ -79,6 +86,24 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def add_lookup_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram looked up (default 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram looked up (default 1)")
+
+
+def add_suffix_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suffix-tree-depth", type=int, default=None,
+                   help="suffix: longest suffix matched, and the depth of the suffix trees (default 16)")
+    p.add_argument("--suffix-cache-tokens", type=int, default=None,
+                   help="suffix: tokens of earlier outputs kept in the global tree, least recently used out "
+                        "(default 16384; 0: per-request trees only)")
+    p.add_argument("--suffix-spec-factor", type=float, default=None,
+                   help="suffix: draft depth per token of the matched suffix (default 1.0)")
+    p.add_argument("--suffix-min-token-prob", type=float, default=None,
+                   help="suffix: smallest estimated probability of a drafted token (default 0.1)")
+
+
+def add_self_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-layers", type=_skip_layers_arg, default=None, metavar="I,J,...",
+                   help="self_spec: the target's decoder layers its draft skips, e.g. 3,5,7 (default: the model's "
+                        "layer set from `specserve self-spec-search`, shipped for the embedded model)")
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +152,21 @@ def _speculative_tokens_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def skip_layers(text: str) -> list[int]:
+    """--skip-layers: a comma list of layer indices."""
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError("skip_layers", text, "must be a comma list of layer indices, e.g. 3,5,7") from None
+
+
+def _skip_layers_arg(text: str) -> list[int]:
+    try:
+        return skip_layers(text)
+    except InvalidParameterError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # ---- parsed arguments -> what the engine is built from ------------------------------------------
 
 def load_kwargs(args: argparse.Namespace, file: dict) -> dict:
@@ -143,7 +183,7 @@ def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
 def speculative_config(args: argparse.Namespace, file: dict) -> dict | None:
     """generate's and serve's speculative_config (None: no speculation)."""
     flags = {"method": args.speculative, "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
-    flags = {k: v for k, v in flags.items() if v is not None} | given(args, LOOKUP_KEYS + TREE_KEYS + TYPICAL_KEYS + LOOKAHEAD_KEYS)
+    flags = {k: v for k, v in flags.items() if v is not None} | given(args, FLAG_KEYS + TYPICAL_KEYS)
     return merge_speculative(flags, file.get("speculative_config"))
 
 

@@ -136,6 +136,21 @@ def test_drafting_time_is_priced_and_trees_cost_their_nodes():
     assert p.drafting_s(0) == 0.0
 
 
+def test_a_tree_is_priced_at_the_nodes_it_drafts_within_its_budget():
+    """A tree proposer with a budget of 3 nodes per depth that drafts single paths comes to be
+    priced at one token per depth, and drafts deeper for it; the budget stays."""
+    cost = linear_cost(2e-3, 1e-3)
+    wide = SpeculationPlanner(cost, max_depth=8, tokens_per_depth=3.0)
+    learned(wide, "a", 8, 6)
+    before = wide.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0]
+    for _ in range(60):
+        wide.observe_verification("a", 8, 6, num_nodes=8)  # one path of 8
+    assert wide.width == pytest.approx(1.0, abs=0.01) and wide.nodes(4, slots=64) == 12
+    assert wide.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0] > before
+    wide.observe_verification("a", 2, 1, num_nodes=40)  # more than the budget: priced at the budget
+    assert wide.width <= 3.0
+
+
 # ---- configuration ----------------------------------------------------------------------------
 
 def test_auto_is_the_default_with_a_cap_per_method():

@@ -127,14 +127,15 @@ def test_measure_warms_up_then_interleaves_in_rotating_order():
 # ---- the command --------------------------------------------------------------------------------
 
 def test_parse_errors():
-    with pytest.raises(InvalidParameterError, match="none, ngram, draft_model:PATH, eagle:DIR, medusa:DIR, lookahead"):
-        parse_methods("none,jacobi")
+    with pytest.raises(InvalidParameterError, match="none, ngram, suffix, .*draft_model:PATH, eagle:DIR, medusa:DIR"):
+        parse_methods("none,medusa2")
     for name in ("draft_model", "eagle", "medusa"):
         with pytest.raises(InvalidParameterError, match="needs a path"):
             parse_methods(name)
     with pytest.raises(InvalidParameterError, match="takes no path"):
         parse_methods("ngram:x")
     assert parse_methods("none,eagle:a,medusa:b") == [("none", None), ("eagle", "a"), ("medusa", "b")]
+    assert parse_methods("suffix,ngram") == [("suffix", None), ("ngram", None)]
     with pytest.raises(InvalidParameterError, match="num_speculative_tokens"):
         parse_ks("2,x")
     with pytest.raises(InvalidParameterError, match="transformers, llama.cpp"):
@@ -158,6 +159,7 @@ def test_parse_errors():
     (["--concurrency", "4,-2"], "concurrency='4,-2'"),
     (["--concurrency", "5000"], "each at most 4096"),
     (["--concurrency", ","], "concurrency=','"),
+    (["--repeat", "0"], r"repeat=0: must be an integer in \[1, 100\]"),
 ])
 def test_bad_input_is_refused_before_loading(argv, match):
     with pytest.raises(SpecserveError, match=match) as e:
@@ -192,6 +194,25 @@ def test_bench_end_to_end_writes_json(tmp_path, capsys):
     # The tiny target is no GGUF, so llama.cpp is skipped either way, with a reason.
     reason = "is not installed" if importlib.util.find_spec("llama_cpp") is None else "not one"
     assert "peer llama.cpp skipped: " in captured.err and reason in captured.err
+
+
+def test_repeated_prompts_are_reported_by_pass(tmp_path, capsys):
+    """--repeat 2: the same prompts twice in one engine per configuration; suffix decoding
+    remembers the first pass's answers, so the second pass accepts more."""
+    model = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(json.dumps({"turns": [f"t{3 + i} t{9 + 2 * i} t5 t{7 + i}"]}) + "\n" for i in range(3)))
+    out = tmp_path / "r.json"
+    assert bench(["--model", str(model), "--workload", str(work), "--methods", "none,suffix", "--repeat", "2",
+                  "--num-speculative-tokens", "8", "--max-tokens", "16", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["repeat"] == 2 and doc["workload"]["num_prompts"] == 3
+    plain, suffix = doc["results"]
+    assert list(suffix["per_pass"]) == ["pass 1", "pass 2"] and suffix["per_pass"]["pass 1"]["num_prompts"] == 3
+    assert suffix["identical_to_baseline"] == 1.0 and plain["per_pass"]["pass 2"]["identical_to_baseline"] == 1.0
+    first, second = suffix["per_pass"]["pass 1"], suffix["per_pass"]["pass 2"]
+    assert second["mean_accepted_length"] > first["mean_accepted_length"]
+    assert "speedup over plain by pass:" in capsys.readouterr().out
 
 
 def test_sampled_bench_has_no_identity_figure(tmp_path):

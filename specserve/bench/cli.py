@@ -22,6 +22,7 @@ METHODS = engine_args.SPECULATIVE_METHODS
 WITH_PATH = PATH_METHODS  # methods named as METHOD:PATH
 PEERS = ("transformers", "llama.cpp")
 MAX_CONCURRENCY = 4096  # the engine's limit on max_num_seqs
+MAX_REPEAT = 100
 
 
 def add_bench_parser(sub) -> None:
@@ -39,6 +40,12 @@ def add_bench_parser(sub) -> None:
                    help="k or auto (the engine chooses k each step; the default), or a comma list to sweep (e.g. auto,2,4,8)")
     engine_args.add_tree_args(b)
     engine_args.add_lookup_args(b)
+    engine_args.add_suffix_args(b)
+    engine_args.add_self_spec_args(b)
+    b.add_argument("--repeat", type=int, default=1,
+                   help="ask the selected prompts this many times, pass after pass, in one engine per configuration "
+                        "(what a method learns from earlier requests shows in the later passes; the report adds "
+                        "figures by pass)")
     engine_args.add_lookahead_args(b)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     b.add_argument("--top-p", type=float, default=1.0)
@@ -164,8 +171,10 @@ def run_bench(args) -> int:
     # Everything the user typed is checked before seconds go into loading models.
     methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
     concurrency = parse_concurrency(args.concurrency)
+    if isinstance(args.repeat, bool) or not 1 <= args.repeat <= MAX_REPEAT:
+        raise InvalidParameterError("repeat", args.repeat, f"must be an integer in [1, {MAX_REPEAT}]")
     file = load_config_file(args.config)
-    flags = engine_args.given(args, engine_args.LOOKUP_KEYS + engine_args.TREE_KEYS + engine_args.LOOKAHEAD_KEYS)
+    flags = engine_args.given(args, engine_args.FLAG_KEYS)
     spec_configs = speculative_configs(methods, ks, flags, file.get("speculative_config"))
     defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
     lookup = {k: flags.get(k, defaults[k]) for k in engine_args.LOOKUP_KEYS}
@@ -202,7 +211,7 @@ def run_bench(args) -> int:
                 "prompt_tokens": sum(len(ids) for _, ids in fitting)}
     settings = {"dtype": args.dtype, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                 "seed": args.seed, "max_model_len": max_len, **lookup,
-                **engine_args.given(args, engine_args.TREE_KEYS + engine_args.LOOKAHEAD_KEYS)}
+                **{k: v for k, v in flags.items() if k not in engine_args.LOOKUP_KEYS}}
     if "max_num_batched_tokens" in engine:
         settings["max_num_batched_tokens"] = engine["max_num_batched_tokens"]
     if args.config:
@@ -210,8 +219,13 @@ def run_bench(args) -> int:
     if concurrency is not None:
         settings["concurrency"] = concurrency
 
-    prompt_ids = [ids for _, ids in fitting]
-    params_for = lambda i: replace(params, seed=args.seed + i)  # noqa: E731
+    if args.repeat > 1:
+        settings["repeat"] = args.repeat
+    # Pass after pass; a prompt asked again samples with its own seed again.
+    prompt_ids = [ids for _, ids in fitting] * args.repeat
+    passes = [f"pass {i // len(fitting) + 1}" for i in range(len(prompt_ids))]
+    categories = categories * args.repeat
+    params_for = lambda i: replace(params, seed=args.seed + i % len(fitting))  # noqa: E731
     warmup = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=8, seed=args.seed)
     if concurrency is not None:
         del baseline  # only its max_model_len was needed: throughput mode builds an engine per run
@@ -230,9 +244,10 @@ def run_bench(args) -> int:
         runners += build_peers(peers, loaded, plan, log=lambda msg: print(msg, file=sys.stderr))
         _print_header(loaded.name, machine, workload, settings)
         t0 = time.perf_counter()
-        with tqdm(total=len(fitting) * len(runners), desc="bench", unit="run", file=sys.stderr) as bar:
+        with tqdm(total=len(prompt_ids) * len(runners), desc="bench", unit="run", file=sys.stderr) as bar:
             samples = measure(runners, prompt_ids, params_for, warmup, lambda: bar.update(1))
-        results = [report(r.config, s, samples[0], categories, args.temperature) for r, s in zip(runners, samples)]
+        results = [report(r.config, s, samples[0], categories, args.temperature,
+                          passes if args.repeat > 1 else None) for r, s in zip(runners, samples)]
         _print_table(results, time.perf_counter() - t0)
     if args.json:
         doc = {"machine": machine, "model": loaded.name, "model_path": str(loaded.path), "settings": settings,
@@ -251,7 +266,8 @@ def _print_header(model: str, machine: dict, workload: dict, settings: dict) -> 
     print(f"model: {model} ({settings['dtype']}) | max_tokens {settings['max_tokens']} | "
           f"temperature {settings['temperature']} | top_p {settings['top_p']} | seed {settings['seed']}"
           + (f" | concurrency {','.join(map(str, settings['concurrency']))}" if "concurrency" in settings else "")
-          + (f" | config {settings['config']}" if "config" in settings else ""))
+          + (f" | config {settings['config']}" if "config" in settings else "")
+          + (f" | each prompt asked {settings['repeat']} times" if "repeat" in settings else ""))
 
 
 def _fmt(x, spec: str = "{:.2f}", suffix: str = "") -> str:
@@ -267,12 +283,13 @@ def _print_table(reports, seconds: float) -> None:
         print(f"{r.config.label:<{width}} {f.tokens_per_s:>8.1f} {f.decode_tokens_per_s:>8.1f} {f.prefill_tokens_per_s:>8.1f} "
               f"{_fmt(f.speedup, suffix='x'):>8} {_fmt(f.acceptance_rate):>7} {_fmt(f.mean_accepted_length):>6} "
               f"{_fmt(f.drafts_per_pass):>6} {_fmt(f.identical_to_baseline):>9}")
-    cats = list(reports[0].per_category)
-    if len(cats) > 1 and len(reports) > 1:
-        print("\nspeedup over plain by category:")
-        print(f"{'configuration':<{width}} " + " ".join(f"{c[:11]:>11}" for c in cats))
-        for r in reports[1:]:
-            print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(r.per_category[c].speedup, suffix='x'):>11}" for c in cats))
+    for title, groups in (("category", lambda r: r.per_category), ("pass", lambda r: r.per_pass)):
+        cats = list(groups(reports[0]))
+        if len(cats) > 1 and len(reports) > 1:
+            print(f"\nspeedup over plain by {title}:")
+            print(f"{'configuration':<{width}} " + " ".join(f"{c[:11]:>11}" for c in cats))
+            for r in reports[1:]:
+                print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(groups(r)[c].speedup, suffix='x'):>11}" for c in cats))
     print(f"\n(tok/s: generated tokens over request time, prefill included; decode: after the first token; "
           f"prefill: prompt tokens over the time to the first token; "
           f"tau: tokens per target pass; drafts: drafts verified per target pass; measured in {seconds:.0f}s)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -121,22 +121,31 @@ class Report:
     temperature: float
     overall: Figures
     per_category: dict[str, Figures]
+    per_pass: dict[str, Figures] = field(default_factory=dict)  # bench --repeat: "pass 1", "pass 2", ...
 
     def as_dict(self) -> dict:
-        return {"method": self.config.method, "label": self.config.label, "draft": self.config.draft,
-                "num_speculative_tokens": self.config.num_speculative_tokens, "temperature": self.temperature,
-                **self.overall.as_dict(), "per_category": {c: f.as_dict() for c, f in self.per_category.items()}}
+        out = {"method": self.config.method, "label": self.config.label, "draft": self.config.draft,
+               "num_speculative_tokens": self.config.num_speculative_tokens, "temperature": self.temperature,
+               **self.overall.as_dict(), "per_category": {c: f.as_dict() for c, f in self.per_category.items()}}
+        if self.per_pass:
+            out["per_pass"] = {p: f.as_dict() for p, f in self.per_pass.items()}
+        return out
 
 
 def report(config: Config, samples: list[Sample], baseline: list[Sample], categories: list[str],
-           temperature: float) -> Report:
-    """`categories[i]` is prompt i's; `samples` and `baseline` are aligned with it."""
+           temperature: float, passes: list[str] | None = None) -> Report:
+    """`categories[i]` (and `passes[i]`, when the prompts were asked more than once) is prompt
+    i's; `samples` and `baseline` are aligned with them."""
     greedy = temperature == 0
-    per_category = {}
-    for cat in dict.fromkeys(categories):
-        idx = [i for i, c in enumerate(categories) if c == cat]
-        per_category[cat] = figures([samples[i] for i in idx], [baseline[i] for i in idx], greedy)
-    return Report(config, temperature, figures(samples, baseline, greedy), per_category)
+
+    def by(groups: list[str]) -> dict[str, Figures]:
+        out = {}
+        for g in dict.fromkeys(groups):
+            idx = [i for i, c in enumerate(groups) if c == g]
+            out[g] = figures([samples[i] for i in idx], [baseline[i] for i in idx], greedy)
+        return out
+
+    return Report(config, temperature, figures(samples, baseline, greedy), by(categories), by(passes) if passes else {})
 
 
 def measure(runners: Sequence[Runner], prompts: Sequence[list[int]], params_for: Callable[[int], SamplingParams],

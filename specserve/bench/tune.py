@@ -52,6 +52,9 @@ def candidates(methods: list[tuple[str, str | None]]) -> list[tuple[Config, dict
                 specs.append((Config("ngram", k), {"method": "ngram", "num_speculative_tokens": k}))
             specs.append((Config("ngram", 4, variant="branches=3"),
                           {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 3}))
+        elif name == "suffix":  # long remembered continuations: deeper fixed k than n-gram's
+            for k in ("auto", 4, 8, 16):
+                specs.append((Config("suffix", k), {"method": "suffix", "num_speculative_tokens": k}))
         elif name == "draft_model":
             for k in ("auto", 2, 4):
                 specs.append((Config(name, k, path), {"method": name, "model": path, "num_speculative_tokens": k}))

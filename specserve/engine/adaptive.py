@@ -96,8 +96,12 @@ class SpeculationPlanner:
     def __init__(self, cost: PassCostModel, max_depth: int, tokens_per_depth: float = 1.0):
         self.cost = cost
         self.max_depth = max_depth
-        # Tree proposers verify several nodes per depth: a depth costs that many tokens.
+        # Tree proposers may verify several nodes per depth: `tokens_per_depth` is the budget a
+        # tree gets (`nodes`), and `width` what a depth is priced at: the nodes per depth the
+        # proposer actually drafted, learned (a lookup tree is often one path, within a budget
+        # for more), starting at the budget.
         self.tokens_per_depth = tokens_per_depth
+        self.width = tokens_per_depth
         self.method = AcceptanceEstimate(METHOD_DECAY)
         self.requests: dict[str, AcceptanceEstimate] = {}
         self.idle_steps: dict[str, int] = {}
@@ -139,7 +143,7 @@ class SpeculationPlanner:
             neg, i, j = heapq.heappop(heap)
             if -neg < 1e-3:
                 break
-            w = self.tokens_per_depth
+            w = self.width
             n_before = 1 + w * j  # the row's tokens in the pass before this position
             shape.num_tokens += w
             shape.keys_read += w
@@ -194,10 +198,14 @@ class SpeculationPlanner:
 
     # ---- learning ---------------------------------------------------------------------------
 
-    def observe_verification(self, request_id: str, depth: int, num_accepted: int) -> None:
-        """A request's verification: it could accept `depth` drafts, it accepted `num_accepted`."""
+    def observe_verification(self, request_id: str, depth: int, num_accepted: int, num_nodes: int | None = None) -> None:
+        """A request's verification: it could accept `depth` drafts (a tree of `num_nodes`
+        nodes; None: a chain), it accepted `num_accepted`."""
         if depth <= 0:
             return
+        if num_nodes is not None:
+            ratio = min(self.tokens_per_depth, max(1.0, num_nodes / depth))
+            self.width += PROPOSER_RATE * (ratio - self.width)
         est = self.requests.get(request_id)
         if est is None:
             est = self.requests[request_id] = AcceptanceEstimate(REQUEST_DECAY)

@@ -433,7 +433,7 @@ class LLMEngine:
         r.spec.proposer_time_s += c.proposer_time_s
         r.spec.target_time_s += c.target_time_s
         if self.planner is not None and c.depth:
-            self.planner.observe_verification(r.request_id, c.depth, accepted)
+            self.planner.observe_verification(r.request_id, c.depth, accepted, c.num_draft)
         if r.num_speculative_tokens:
             feedback.request_ids.append(r.request_id)
             feedback.num_draft.append(c.num_draft)

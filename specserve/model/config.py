@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -108,6 +109,15 @@ class ModelConfig:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ModelLoadError(f"config.json is missing or has an invalid field: {e}") from None
+
+
+def check_layer_subset(keep: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """`keep` as a tuple of distinct increasing layer indices in [0, num_layers), at least one."""
+    keep = tuple(keep)
+    if (not keep or any(isinstance(i, bool) or not isinstance(i, int) for i in keep)
+            or list(keep) != sorted(set(keep)) or keep[0] < 0 or keep[-1] >= num_layers):
+        raise ValueError(f"layers to keep {list(keep)} must be distinct increasing indices in [0, {num_layers})")
+    return keep
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

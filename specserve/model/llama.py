@@ -13,12 +13,15 @@ projections (see linear.py), and one call per RMSNorm.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve.model.attention import AttentionMetadata, DenseKVCache
-from specserve.model.config import ModelConfig, rope_inv_freq
+from specserve.model.config import ModelConfig, check_layer_subset, rope_inv_freq
 from specserve.model.flat_attention import FlatKV, GatherBuffers, flat_metadata
 from specserve.model.flat_batch import FlatBatch
 from specserve.model.linear import Linear
@@ -165,3 +168,50 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def with_layers(self, keep: Sequence[int]) -> LlamaLayerView:
+        """A view that runs only the decoder layers `keep` (increasing indices), sharing this
+        model's modules: no weight is copied (see LlamaLayerView)."""
+        return LlamaLayerView(self, check_layer_subset(keep, len(self.layers)))
+
+
+class LlamaLayerView(nn.Module):
+    """A LlamaModel that skips decoder layers: the same embeddings, kept layers, final norm and
+    LM head modules (shared, not copied). Its config's num_layers is the kept count, and its KV
+    cache holds the kept layers only, in order. It has forward_flat (the runner's call), not
+    the padded forward."""
+
+    def __init__(self, base: LlamaModel, keep: tuple[int, ...]):
+        super().__init__()
+        self.keep = keep
+        self.config = replace(base.config, num_layers=len(keep))
+        self.embed_tokens, self.norm, self.rotary, self.lm_head = base.embed_tokens, base.norm, base.rotary, base.lm_head
+        self.layers = nn.ModuleList(base.layers[i] for i in keep)
+        # The kept layers know their index in the full model; the view's cache numbers them 0..
+        self.cache_layer = {layer.self_attn.layer: j for j, layer in enumerate(self.layers)}
+        self.kv_gather = GatherBuffers()
+
+    dtype = LlamaModel.dtype
+    kv_dtype = LlamaModel.kv_dtype
+    device = LlamaModel.device
+    compute_logits = LlamaModel.compute_logits
+
+    def forward_flat(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """LlamaModel.forward_flat over the kept layers; k, v: [len(keep), rows, Hkv, D]."""
+        meta = flat_metadata(flat, self.device, k.dtype)
+        cache = _RenumberedKV(FlatKV(k, v, self.kv_gather), self.cache_layer)
+        x = self.embed_tokens(meta.token_ids)  # [N, hidden]
+        cos, sin = self.rotary.tables(meta.positions, x.dtype)  # [N, 1, head_dim]
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, cache)
+        return self.norm(x)
+
+
+class _RenumberedKV:
+    """A cache seen through a map from a layer's index in the full model to its index here."""
+
+    def __init__(self, cache: FlatKV, index: dict[int, int]):
+        self.cache, self.index = cache, index
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta) -> torch.Tensor:
+        return self.cache.attend(self.index[layer], q, k, v, meta)

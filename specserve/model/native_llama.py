@@ -17,7 +17,8 @@ reference that the tests compare with transformers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from types import ModuleType
 
 import numpy as np
@@ -27,7 +28,7 @@ from gguf.quants import dequantize, quantize
 from torch import nn
 
 from specserve.errors import ModelLoadError
-from specserve.model.config import ModelConfig
+from specserve.model.config import ModelConfig, check_layer_subset
 from specserve.model.flat_batch import FlatBatch
 from specserve.model.llama import RotaryEmbedding
 
@@ -109,23 +110,58 @@ class PackedRows(nn.Module):
         return self.ext.dequantize_units(self.format, self.units, self.units.shape[0] * 16, self.hidden)[: self.vocab]
 
 
+@dataclass(frozen=True, slots=True)
+class NativeParts:
+    """What an `ext.NativeModel` is built from, kept so that a view over a subset of the layers
+    can be built on the same tensors (`NativeLlamaModel.with_layers`): the C++ Layer and QMatrix
+    hold torch tensors by reference, so a second NativeModel copies no weight."""
+
+    ext: ModuleType
+    layers: tuple  # ext.Layer per decoder layer
+    final_norm: torch.Tensor  # float32 [hidden]
+    lm_head: object  # ext.QMatrix
+    cos: torch.Tensor  # float32 [max_positions, head_dim / 2]
+    sin: torch.Tensor
+    layer_bytes: tuple[int, ...]  # packed bytes of each layer's matrices
+
+    def core(self, cfg: ModelConfig, keep: Sequence[int]):
+        return self.ext.NativeModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.intermediate_size, cfg.rms_norm_eps, [self.layers[i] for i in keep],
+                                    self.final_norm, self.lm_head, self.cos, self.sin)
+
+
 class NativeLlamaModel(nn.Module):
     """forward_flat(batch, cache) -> final hidden states [N, hidden]; compute_logits(hidden
     [..., hidden]) -> float32 logits [..., vocab]. CPU only, float32 activations, float16 KV cache."""
 
     native = True
 
-    def __init__(self, cfg: ModelConfig, core, embed_tokens: nn.Module, lm_head: nn.Module, level: int,
-                 quantization: str, description: str, weight_bytes: int):
+    def __init__(self, cfg: ModelConfig, parts: NativeParts, embed_tokens: nn.Module, lm_head: nn.Module, level: int,
+                 quantization: str, description: str, weight_bytes: int, keep: Sequence[int] | None = None):
         super().__init__()
         self.weight_bytes = weight_bytes  # of the packed matrices: what a pass reads
         self.quantization = quantization  # how it was loaded: "gguf", "int8" or "int4"
-        self.config = cfg
-        self.core = core
+        # The decoder layers this model runs, in order (indices into parts.layers): all of them
+        # for a loaded model, a subset for a view made by with_layers.
+        self.keep = tuple(range(len(parts.layers)) if keep is None else keep)
+        self.config = replace(cfg, num_layers=len(self.keep))
+        self.parts = parts
+        self.core = parts.core(cfg, self.keep)
         self.embed_tokens = embed_tokens
         self.lm_head = lm_head
         self.level = level
         self.description = description
+
+    def with_layers(self, keep: Sequence[int]) -> NativeLlamaModel:
+        """A view that runs only the decoder layers `keep` (indices of this model's layers, in
+        increasing order), with the same embeddings, final norm and LM head, sharing every
+        weight: its config's num_layers is len(keep), and its KV cache holds those layers only."""
+        keep = check_layer_subset(keep, len(self.keep))
+        kept = [self.keep[i] for i in keep]
+        skipped = sum(self.parts.layer_bytes[i] for i in set(self.keep) - set(kept))
+        return NativeLlamaModel(replace(self.config, num_layers=len(self.parts.layers)), self.parts,
+                                self.embed_tokens, self.lm_head, self.level, self.quantization, self.description,
+                                self.weight_bytes - skipped, kept)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -194,8 +230,9 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     def stacked(parts: list[Blocks], biases: list[torch.Tensor] | None = None):
         return ext.Stacked([qmatrix(b, None if biases is None else biases[i]) for i, b in enumerate(parts)])
 
-    layers = []
+    layers, layer_bytes = [], []
     for i in range(cfg.num_layers):
+        before = sum(packed_bytes)
         p = f"model.layers.{i}."
         q = matrix(p + "self_attn.q_proj.weight", cfg.num_heads)
         k = matrix(p + "self_attn.k_proj.weight", cfg.num_kv_heads)
@@ -212,6 +249,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
             qkv=stacked([q, k, v], biases), o=stacked([matrix(p + "self_attn.o_proj.weight")]),
             gate_up=stacked([matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")]),
             down=stacked([matrix(p + "mlp.down_proj.weight")])))
+        layer_bytes.append(sum(packed_bytes) - before)
 
     embed = take("model.embed_tokens.weight")
     head_source = embed if cfg.tie_word_embeddings else take("lm_head.weight")
@@ -237,11 +275,10 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
 
     rotary = RotaryEmbedding(cfg)  # cos: [max_pos, head_dim] as [c, c]; the kernels take one half
     half = cfg.head_dim // 2
-    core = ext.NativeModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                           cfg.rms_norm_eps, layers, final_norm, lm_head,
-                           rotary.cos[:, :half].contiguous(), rotary.sin[:, half:].contiguous())
+    parts = NativeParts(ext, tuple(layers), final_norm, lm_head, rotary.cos[:, :half].contiguous(),
+                        rotary.sin[:, half:].contiguous(), tuple(layer_bytes))
     vocab_rows = PackedRows(ext, head.format, lm_head.units, cfg.vocab_size, cfg.hidden_size)
-    return NativeLlamaModel(cfg, core, embed_tokens, vocab_rows, level, quantization, "/".join(sorted(formats)),
+    return NativeLlamaModel(cfg, parts, embed_tokens, vocab_rows, level, quantization, "/".join(sorted(formats)),
                             sum(packed_bytes))
 
 

@@ -14,6 +14,10 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         from specserve.spec.ngram import NgramProposer
         return NgramProposer(prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
                              num_branches=spec.num_branches)
+    if spec.method == "suffix":
+        from specserve.spec.suffix import SuffixProposer
+        return SuffixProposer(max_depth=spec.suffix_tree_depth, cache_tokens=spec.suffix_cache_tokens,
+                              spec_factor=spec.suffix_spec_factor, min_token_prob=spec.suffix_min_token_prob)
     if spec.method == "lookahead":
         from specserve.spec.lookahead import LookaheadProposer
         return LookaheadProposer(*spec.lookahead_params)
@@ -26,6 +30,10 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
         from specserve.spec.heads import load_drafter
         from specserve.spec.medusa import MedusaProposer
         return MedusaProposer(load_drafter(spec.model, target), max_nodes=spec.num_draft_nodes)
+    if spec.method == "self_spec":
+        from specserve.spec.layer_set import resolve_skip_layers
+        from specserve.spec.self_spec import SelfSpecProposer
+        return SelfSpecProposer(target, resolve_skip_layers(spec.skip_layers, target), engine)
     from specserve.spec.draft_model import DraftModelProposer
     # The draft runs on the target's path: the native kernels for a native target (its own
     # blocks if it is a quantized GGUF, else the target's int8 / int4), else the torch path in

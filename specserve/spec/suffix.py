@@ -1,0 +1,306 @@
+"""Suffix decoding: drafts from suffix trees over the request's own text and earlier outputs.
+
+No weights and no forward pass, like n-gram lookup, but with counts: every request keeps a
+suffix tree over its prompt and output, and the proposer keeps one global suffix tree over the
+outputs of earlier requests (bounded by `cache_tokens`, least recently used out). Each step the
+longest suffix of the request's context found in a tree (at most `max_depth` tokens) selects a
+node; its subtree holds every continuation that followed that suffix, each with how often it
+did. The draft is a token tree grown best first by estimated probability (a continuation's
+count over its parent's), with at most `spec_factor` x match-length nodes' depth: a long match
+has predicted well and earns a long draft, a one-token match a short one. The per-request and
+global trees each propose; the draft with the larger expected accepted length is taken.
+
+Trees are tries of every suffix cut to `max_depth` tokens ("depth-limited suffix trees"): a
+sequence of n tokens adds at most n * max_depth nodes, and appending a token walks max_depth
+of them, so keeping a request's tree current costs O(max_depth) per committed token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.drafts.tree import DraftTree
+from specserve.errors import InvalidParameterError
+from specserve.spec.proposer import Proposer
+
+MAX_TREE_DEPTH = 64
+# A tree of depth D holds up to D nodes per token of text (~260 bytes each in Python: ~4 KiB
+# per token at 16 where the text does not repeat, far less where it does); drafts go on past
+# the depth (draft_tree), so a deeper tree only sharpens the match.
+DEFAULT_TREE_DEPTH = 16
+DEFAULT_CACHE_TOKENS = 1 << 14
+MAX_CACHE_TOKENS = 1 << 24
+DEFAULT_SPEC_FACTOR = 1.0
+DEFAULT_MIN_TOKEN_PROB = 0.1
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0  # occurrences of the suffix this node spells, counting sequence ends
+        self.children: dict[int, _Node] | None = None
+
+
+class SuffixTree:
+    """Counts of every substring of at most `max_depth` tokens over a set of sequences.
+
+    `append(cursor, token)` extends one sequence being written; `add` / `remove` take a whole
+    sequence in or out. A cursor is the list of nodes spelling the current end's suffixes,
+    cursor[d] the one of length d (cursor[0] the root), so appending token t moves each one to
+    its child t: the suffixes of the longer sequence.
+    """
+
+    __slots__ = ("max_depth", "root", "num_nodes")
+
+    def __init__(self, max_depth: int = DEFAULT_TREE_DEPTH):
+        self.max_depth = max_depth
+        self.root = _Node()
+        self.num_nodes = 1
+
+    def cursor(self) -> list[_Node]:
+        """The cursor of an empty sequence."""
+        return [self.root]
+
+    def append(self, cursor: list[_Node], token: int) -> list[_Node]:
+        """Count `token` after the sequence `cursor` ends; the cursor of the longer sequence."""
+        out = [self.root]
+        for node in cursor[: self.max_depth]:
+            kids = node.children
+            if kids is None:
+                kids = node.children = {}
+            child = kids.get(token)
+            if child is None:
+                child = kids[token] = _Node()
+                self.num_nodes += 1
+            child.count += 1
+            out.append(child)
+        return out
+
+    def add(self, tokens: Sequence[int]) -> None:
+        cursor = self.cursor()
+        for t in tokens:
+            cursor = self.append(cursor, t)
+
+    def remove(self, tokens: Sequence[int]) -> None:
+        """Undo `add(tokens)`: counts down, and nodes no other sequence reaches are dropped."""
+        cursor = [self.root]
+        for t in tokens:
+            out = [self.root]
+            for node in cursor[: self.max_depth]:
+                child = node.children[t]
+                child.count -= 1
+                if child.count == 0:
+                    # Only this sequence passed here, so every node below is this sequence's
+                    # too and the walk counts each of them down to 0 in turn (it visits every
+                    # occurrence the sequence added), going on in the detached subtree.
+                    del node.children[t]
+                    self.num_nodes -= 1
+                out.append(child)
+            cursor = out
+
+    def match(self, tokens: Sequence[int]) -> tuple[_Node, int] | None:
+        """The node of the longest suffix of `tokens` (at most max_depth) that some sequence
+        continued, and its length; None when not even the last token was ever followed."""
+        n = len(tokens)
+        for length in range(min(self.max_depth, n), 0, -1):
+            node = self.root
+            for t in tokens[n - length:]:
+                node = node.children.get(t) if node.children else None
+                if node is None:
+                    break
+            if node is not None and node.children:
+                return node, length
+        return None
+
+
+def draft_tree(tree: SuffixTree, context: Sequence[int], node: _Node, match_length: int, max_depth: int,
+               max_nodes: int, min_prob: float) -> tuple[DraftTree, float]:
+    """The most probable continuations of `context`, whose last `match_length` tokens spell
+    `node` of `tree`, as a token tree: nodes taken best first by estimated probability (the
+    product of count ratios along the path), each at least `min_prob`, at most `max_nodes` of
+    them and `max_depth` deep. -> (tree, expected accepted length: the sum of the taken nodes'
+    probabilities).
+
+    The tree holds substrings of at most tree.max_depth tokens, so a path that reaches that
+    depth continues from the node of its own last tree.max_depth // 2 tokens (context and
+    draft): what followed those tokens anywhere, which is what followed the longer match too
+    wherever the text repeats."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    score = 0.0
+    # (-probability, order, token, suffix-tree node, its depth in the tree, parent draft node,
+    # draft depth); `order` keeps ties in the order children were first seen.
+    heap: list = []
+    order = 0
+
+    def reanchor(draft_node: int) -> tuple[_Node, int] | None:
+        path = []
+        while draft_node >= 0:
+            path.append(tokens[draft_node])
+            draft_node = parents[draft_node]
+        keep = tree.max_depth // 2
+        tail = (list(context[-keep:]) + path[::-1])[-keep:]
+        n = tree.root
+        for t in tail:
+            n = n.children.get(t) if n.children else None
+            if n is None:
+                return None
+        return n, len(tail)
+
+    def push(parent_node: _Node, node_depth: int, parent: int, prob: float, depth: int) -> None:
+        nonlocal order
+        if depth > max_depth:
+            return
+        if not parent_node.children and node_depth >= tree.max_depth:
+            found = reanchor(parent)
+            if found is None:
+                return
+            parent_node, node_depth = found
+        if not parent_node.children:
+            return
+        # Over the continuations only: an occurrence at the very end of a sequence (the
+        # request's own current end, for one) says nothing about what follows.
+        total = sum(c.count for c in parent_node.children.values())
+        for tok, child in parent_node.children.items():
+            p = prob * child.count / total
+            if p >= min_prob:
+                heapq.heappush(heap, (-p, order, tok, child, node_depth + 1, parent, depth))
+                order += 1
+
+    push(node, match_length, -1, 1.0, 1)
+    while heap and len(tokens) < max_nodes:
+        neg_p, _, tok, child, child_depth, parent, depth = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        score -= neg_p
+        push(child, child_depth, len(tokens) - 1, -neg_p, depth + 1)
+    return DraftTree(tokens, parents), score
+
+
+def check_suffix_params(max_depth: int, cache_tokens: int, spec_factor: float, min_token_prob: float) -> None:
+    """The one check of the suffix knobs, shared by the proposer and SpeculativeConfig."""
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or not 1 <= max_depth <= MAX_TREE_DEPTH:
+        raise InvalidParameterError("suffix_tree_depth", max_depth, f"must be an integer in [1, {MAX_TREE_DEPTH}]")
+    if isinstance(cache_tokens, bool) or not isinstance(cache_tokens, int) or not 0 <= cache_tokens <= MAX_CACHE_TOKENS:
+        raise InvalidParameterError("suffix_cache_tokens", cache_tokens,
+                                    f"must be an integer in [0, {MAX_CACHE_TOKENS}] (0: no global tree)")
+    if isinstance(spec_factor, bool) or not isinstance(spec_factor, (int, float)) or not 0 < spec_factor <= 64:
+        raise InvalidParameterError("suffix_spec_factor", spec_factor, "must be a number in (0, 64]")
+    if isinstance(min_token_prob, bool) or not isinstance(min_token_prob, (int, float)) or not 0 <= min_token_prob < 1:
+        raise InvalidParameterError("suffix_min_token_prob", min_token_prob, "must be a number in [0, 1)")
+
+
+class _RequestTree:
+    """One request's suffix tree over its prompt and committed output, kept current."""
+
+    __slots__ = ("tree", "tokens", "cursor", "num_prompt")
+
+    def __init__(self, max_depth: int, prompt: Sequence[int]):
+        self.tree = SuffixTree(max_depth)
+        self.tokens: list[int] = []
+        self.cursor = self.tree.cursor()
+        self.num_prompt = len(prompt)
+        self.sync(prompt)
+
+    def sync(self, token_ids: Sequence[int]) -> None:
+        """Append what was committed since the last call; a sequence that changed before its
+        end (a preempted request recomputed) is indexed again from scratch."""
+        old = len(self.tokens)
+        tokens = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if len(tokens) < old or tokens[:old] != self.tokens:
+            self.tree = SuffixTree(self.tree.max_depth)
+            self.cursor, self.tokens, old = self.tree.cursor(), [], 0
+        tree, cursor = self.tree, self.cursor
+        for t in tokens[old:]:
+            cursor = tree.append(cursor, t)
+        self.cursor = cursor
+        self.tokens.extend(tokens[old:])
+
+    def match(self) -> tuple[_Node, int] | None:
+        """SuffixTree.match of the request's own text, read off the cursor: its deepest node
+        that earlier text continued."""
+        for length in range(len(self.cursor) - 1, 0, -1):
+            if self.cursor[length].children:
+                return self.cursor[length], length
+        return None
+
+
+class SuffixProposer(Proposer):
+    """SuffixDecoding: token trees from a per-request suffix tree and a global one over earlier
+    outputs (see the module note)."""
+
+    name = "suffix"
+
+    def __init__(self, max_depth: int = DEFAULT_TREE_DEPTH, cache_tokens: int = DEFAULT_CACHE_TOKENS,
+                 spec_factor: float = DEFAULT_SPEC_FACTOR, min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
+                 nodes_per_depth: float = 1.5):
+        check_suffix_params(max_depth, cache_tokens, spec_factor, min_token_prob)
+        self.max_depth = max_depth
+        self.cache_tokens = cache_tokens
+        self.spec_factor = spec_factor
+        self.min_token_prob = min_token_prob
+        self.nodes_per_depth = nodes_per_depth
+        self.requests: dict[str, _RequestTree] = {}
+        self.global_tree = SuffixTree(max_depth)
+        # Sequences in the global tree, least recently used first: a finished request's output,
+        # led by the last max_depth tokens of its prompt so that the next request asking the same
+        # thing finds the output from its first token on. An identical sequence coming in again
+        # is moved to the end instead of being counted twice.
+        self.cached: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.cached_tokens = 0
+
+    def num_draft_nodes(self, num_speculative_tokens: int) -> int:
+        # Mostly one path (a repeated continuation has a single child per node), with room for
+        # alternatives where earlier text branched.
+        return max(num_speculative_tokens, int(num_speculative_tokens * self.nodes_per_depth))
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self.requests[request_id] = _RequestTree(self.max_depth, prompt_token_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        r = self.requests.pop(request_id, None)
+        if r is None or self.cache_tokens == 0 or len(r.tokens) <= r.num_prompt:
+            return
+        # A preempted request's partial output comes in too, and again in full when it finishes:
+        # counts lean towards it a little, which only shapes drafts, never what is committed.
+        self._cache(tuple(r.tokens[max(0, r.num_prompt - self.max_depth):]))
+
+    def _cache(self, seq: tuple[int, ...]) -> None:
+        if seq in self.cached:
+            self.cached.move_to_end(seq)
+            return
+        if len(seq) > self.cache_tokens:
+            return
+        self.cached[seq] = None
+        self.global_tree.add(seq)
+        self.cached_tokens += len(seq)
+        while self.cached_tokens > self.cache_tokens:
+            old, _ = self.cached.popitem(last=False)
+            self.global_tree.remove(old)
+            self.cached_tokens -= len(old)
+
+    def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
+        trees = []
+        for r in batch:
+            if r.num_speculative_tokens <= 0:
+                trees.append(DraftTree.empty())
+                continue
+            own = self.requests.get(r.request_id)
+            if own is None:  # never add_request'ed: index lazily, once
+                own = self.requests[r.request_id] = _RequestTree(self.max_depth, r.token_ids)
+            own.sync(r.token_ids)
+            best, best_score = DraftTree.empty(), 0.0
+            for tree, found in ((own.tree, own.match()), (self.global_tree, self.global_tree.match(own.tokens))):
+                if found is None:
+                    continue
+                node, length = found
+                depth = min(r.num_speculative_tokens, max(1, int(self.spec_factor * length)))
+                draft, score = draft_tree(tree, own.tokens, node, length, depth, r.max_nodes, self.min_token_prob)
+                if score > best_score:
+                    best, best_score = draft, score
+            trees.append(best)
+        return DraftTreeProposal(trees)
