@@ -20,7 +20,7 @@ from specserve import engine_args
 from specserve.bench.runner import Config
 from specserve.errors import InvalidParameterError
 
-DEFAULT_METHODS = "none,ngram,eagle:default"
+DEFAULT_METHODS = "none,ngram,suffix,eagle:default"
 SAMPLE = 16
 
 
