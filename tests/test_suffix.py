@@ -17,7 +17,7 @@ from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec import SpecRequest
-from specserve.spec.suffix import SuffixProposer, SuffixTree, draft_tree
+from specserve.spec.suffix import COUNT, KIDS, SuffixProposer, SuffixTree, draft_tree
 from tests.helpers import chi_square_pvalue
 from tests.test_spec_e2e import LENGTH, V, exact_joint, micro, tiny_prompts  # noqa: F401  (micro: a fixture)
 
@@ -39,8 +39,8 @@ def tree_counts(tree: SuffixTree) -> Counter:
     stack = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for t, child in (node.children or {}).items():
-            out[path + (t,)] = child.count
+        for t, child in (node[KIDS] or {}).items():
+            out[path + (t,)] = child[COUNT]
             stack.append((path + (t,), child))
     return out
 
@@ -66,9 +66,9 @@ def test_match_finds_the_longest_continued_suffix():
     tree = SuffixTree(4)
     tree.add([1, 2, 3, 9, 2, 3, 7])
     node, length = tree.match([5, 1, 2, 3])
-    assert length == 3 and set(node.children) == {9}  # "1 2 3" was followed by 9
+    assert length == 3 and set(node[KIDS]) == {9}  # "1 2 3" was followed by 9
     node, length = tree.match([8, 2, 3])
-    assert length == 2 and set(node.children) == {9, 7}
+    assert length == 2 and set(node[KIDS]) == {9, 7}
     assert tree.match([3, 7]) is None  # "7" ends the sequence: never continued
     assert tree.match([4]) is None
 
