@@ -150,6 +150,15 @@ def exact_joint(loaded, prompt, params):
     return joint.reshape(-1)
 
 
+def sample_first_tokens(llm, prompt, params, n=6000):
+    """n requests of `prompt`, seeded 0..n-1 -> (outputs, chi-square p-value of their first
+    LENGTH tokens' joint law against the target's exact one)."""
+    outs = llm.generate([prompt] * n, [replace(params, seed=i) for i in range(n)], use_tqdm=False)
+    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [n, LENGTH]
+    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
+    return outs, chi_square_pvalue(cells, exact_joint(llm.engine.target, prompt, params))
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True),
     SamplingParams(temperature=0.7, max_tokens=LENGTH, ignore_eos=True),
@@ -157,17 +166,11 @@ def exact_joint(loaded, prompt, params):
 ], ids=["t1.0", "t0.7", "top_p0.8"])
 def test_speculative_sampling_has_the_target_distribution(micro, params):
     loaded, draft = micro
-    prompt = [3, 5, 2]
-    exact = exact_joint(loaded, prompt, params)
     llm = LLM(loaded=loaded, max_num_seqs=512,
               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
-    n = 6000
-    per_request = [SamplingParams(**{**{f: getattr(params, f) for f in params.__slots__}, "seed": i}) for i in range(n)]
-    outs = llm.generate([prompt] * n, per_request, use_tqdm=False)
-    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [n, 3]
+    outs, pvalue = sample_first_tokens(llm, [3, 5, 2], params)
     assert 0.2 < LLM.aggregate_spec_stats(outs).acceptance_rate < 0.95  # an imperfect draft
-    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
-    assert chi_square_pvalue(cells, exact) > 1e-3
+    assert pvalue > 1e-3
 
 
 def test_bad_speculative_configs_are_refused(tiny, tmp_path):
@@ -196,15 +199,11 @@ def test_adaptive_draft_lengths_keep_the_target_distribution(micro, monkeypatch)
     from specserve.engine.cost_model import KNOTS, PassCostModel
 
     loaded, draft = micro
-    prompt, params = [3, 5, 2], SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
-    exact = exact_joint(loaded, prompt, params)
+    params = SamplingParams(temperature=1.0, max_tokens=LENGTH, ignore_eos=True)
     monkeypatch.setattr(cost_module, "LEARNING_RATE", 0.0)
     llm = LLM(loaded=loaded, max_num_seqs=512, speculative_config={"method": "draft_model", "model": str(draft)})
     llm.engine.planner.cost = PassCostModel([1e-2 + 1e-5 * k for k in KNOTS])
-    n = 6000
-    outs = llm.generate([prompt] * n, [replace(params, seed=i) for i in range(n)], use_tqdm=False)
+    _, pvalue = sample_first_tokens(llm, [3, 5, 2], params)
     depths = llm.engine.stats().draft_depth_counts
     assert depths[1] + depths[2] > 0, depths  # it drafted
-    toks = torch.tensor([o.outputs[0].token_ids for o in outs])  # [n, 3]
-    cells = toks[:, 0] * V * V + toks[:, 1] * V + toks[:, 2]
-    assert chi_square_pvalue(cells, exact) > 1e-3
+    assert pvalue > 1e-3
