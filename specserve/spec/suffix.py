@@ -29,7 +29,7 @@ from specserve.errors import InvalidParameterError
 from specserve.spec.proposer import Proposer
 
 MAX_TREE_DEPTH = 64
-# A tree of depth D holds up to D nodes per token of text (~260 bytes each in Python: ~4 KiB
+# A tree of depth D holds up to D nodes per token of text (~280 bytes each in Python: ~4.5 KiB
 # per token at 16 where the text does not repeat, far less where it does); drafts go on past
 # the depth (draft_tree), so a deeper tree only sharpens the match.
 DEFAULT_TREE_DEPTH = 16
