@@ -15,7 +15,7 @@ from specserve.config import SpeculativeConfig
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
-from specserve.spec import SpecRequest
+from specserve.spec import SpecRequest, VerifyFeedback
 from specserve.spec.suffix import COUNT, KIDS, SuffixProposer, SuffixTree, draft_tree
 from tests.test_spec_e2e import LENGTH, micro, sample_first_tokens, tiny_prompts  # noqa: F401  (micro: a fixture)
 
@@ -111,6 +111,27 @@ def test_second_request_drafts_the_first_ones_output():
     assert tree.token_ids == output[:3]  # depth follows the 3-token match
     tree = p.propose([SpecRequest("b", prompt + output[:2], 4, GREEDY, None, 6)]).trees[0]
     assert tree.token_ids == output[2:6]  # capped at k
+
+
+def test_tokens_committed_without_a_proposal_reach_the_global_tree():
+    """Steps where the engine drafts nothing (adaptive depth 0, the last step) call no propose;
+    their tokens arrive through observe, and the whole answer is remembered."""
+    p = SuffixProposer(max_depth=4, cache_tokens=100)
+    p.propose([SpecRequest("a", [1, 2, 7], 2, GREEDY, None, 3)])
+    p.observe(VerifyFeedback(["a"], [0], [0], [[8, 9]], [[]]))
+    p.observe(VerifyFeedback(["a"], [1], [1], [[10, 11]], [[0]]))
+    p.propose([SpecRequest("a", [1, 2, 7, 8, 9, 10, 11], 2, GREEDY, None, 3)])  # in step: nothing re-indexed
+    p.observe(VerifyFeedback(["a"], [0], [0], [[12]], [[]]))
+    p.remove_request("a")
+    assert list(p.cached) == [(1, 2, 7, 8, 9, 10, 11, 12)]
+    assert tree_counts(p.global_tree) == substring_counts([[1, 2, 7, 8, 9, 10, 11, 12]], 4)
+    # First drafting after 5 tokens of output: the answer still starts after the prompt's
+    # last max_depth tokens.
+    prompt, output = [20, 21, 22, 23, 24, 25], [30, 31, 32, 33, 34, 35]
+    p.propose([SpecRequest("b", prompt + output[:5], 2, GREEDY, None, 3, num_prompt_tokens=len(prompt))])
+    p.observe(VerifyFeedback(["b"], [0], [0], [[35]], [[]]))
+    p.remove_request("b")
+    assert list(p.cached)[-1] == (22, 23, 24, 25, 30, 31, 32, 33, 34, 35)
 
 
 def test_global_tree_is_bounded_and_least_recently_used_goes_first():

@@ -26,6 +26,9 @@ class SpecRequest:
     # Tree proposers: the most nodes a tree may have this step (the KV slots reserved for it,
     # >= num_speculative_tokens); None means num_speculative_tokens. Chain proposers ignore it.
     max_nodes: int | None = None
+    # How many of token_ids are the request's prompt (the rest its output so far); None when the
+    # caller does not say. Proposers that remember answers across requests (suffix) read it.
+    num_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_nodes is None:

@@ -376,7 +376,8 @@ class LLMEngine:
         for i in rows:
             r, slots = scheduled[i].request, scheduled[i].num_draft
             nodes = self.planner.nodes(depths[i], slots) if r.adaptive and self.planner is not None else slots
-            batch.append(SpecRequest(r.request_id, r.all_token_ids, depths[i], r.params, r.generator, max_nodes=nodes))
+            batch.append(SpecRequest(r.request_id, r.all_token_ids, depths[i], r.params, r.generator, max_nodes=nodes,
+                                     num_prompt_tokens=len(r.prompt_token_ids)))
         proposal = self.proposer.propose(batch)
         if isinstance(proposal, DraftProposal):
             proposal = proposal.as_trees()

@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.drafts import DraftTreeProposal, SpecRequest, VerifyFeedback
 from specserve.drafts.tree import DraftTree
 from specserve.errors import InvalidParameterError
 from specserve.spec.proposer import Proposer
@@ -233,12 +233,12 @@ class _RequestTree:
 
     __slots__ = ("tree", "tokens", "cursor", "num_prompt")
 
-    def __init__(self, max_depth: int, prompt: Sequence[int]):
+    def __init__(self, max_depth: int, tokens: Sequence[int], num_prompt: int | None = None):
         self.tree = SuffixTree(max_depth)
         self.tokens: list[int] = []
         self.cursor = self.tree.cursor()
-        self.num_prompt = len(prompt)
-        self.sync(prompt)
+        self.num_prompt = len(tokens) if num_prompt is None else num_prompt
+        self.sync(tokens)
 
     def sync(self, token_ids: Sequence[int]) -> None:
         """Append what was committed since the last call; a sequence that changed before its
@@ -248,8 +248,12 @@ class _RequestTree:
         if len(tokens) < old or tokens[:old] != self.tokens:
             self.tree = SuffixTree(self.tree.max_depth)
             self.cursor, self.tokens, old = self.tree.cursor(), [], 0
-        self.cursor = self.tree.extend(self.cursor, tokens[old:])
-        self.tokens.extend(tokens[old:])
+        self.extend(tokens[old:])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens committed after the indexed ones."""
+        self.cursor = self.tree.extend(self.cursor, tokens)
+        self.tokens.extend(tokens)
 
     def match(self) -> tuple[_Node, int] | None:
         """SuffixTree.match of the request's own text, read off the cursor: its deepest node
@@ -300,6 +304,15 @@ class SuffixProposer(Proposer):
         # counts lean towards it a little, which only shapes drafts, never what is committed.
         self._cache(tuple(r.tokens[max(0, r.num_prompt - self.max_depth):]))
 
+    def observe(self, feedback: VerifyFeedback) -> None:
+        # The engine asks for drafts only in steps where it drafts, so the tokens committed in
+        # the others (and the last step's) come in here: at remove_request the request's tree
+        # holds its whole output, which is what goes to the global tree.
+        for rid, committed in zip(feedback.request_ids, feedback.committed_token_ids):
+            own = self.requests.get(rid)
+            if own is not None and committed:
+                own.extend(committed)
+
     def _cache(self, seq: tuple[int, ...]) -> None:
         if seq in self.cached:
             self.cached.move_to_end(seq)
@@ -322,7 +335,9 @@ class SuffixProposer(Proposer):
                 continue
             own = self.requests.get(r.request_id)
             if own is None:  # never add_request'ed: index lazily, once
-                own = self.requests[r.request_id] = _RequestTree(self.max_depth, r.token_ids)
+                # (its first drafting step may come after some output: the prompt's length
+                # says where the answer that goes to the global tree starts)
+                own = self.requests[r.request_id] = _RequestTree(self.max_depth, r.token_ids, r.num_prompt_tokens)
             own.sync(r.token_ids)
             best, best_score = DraftTree.empty(), 0.0
             for tree, found in ((own.tree, own.match()), (self.global_tree, self.global_tree.match(own.tokens))):
