@@ -5,10 +5,11 @@ suffix tree over its prompt and output, and the proposer keeps one global suffix
 outputs of earlier requests (bounded by `cache_tokens`, least recently used out). Each step the
 longest suffix of the request's context found in a tree (at most `max_depth` tokens) selects a
 node; its subtree holds every continuation that followed that suffix, each with how often it
-did. The draft is a token tree grown best first by estimated probability (a continuation's
-count over its parent's), with at most `spec_factor` x match-length nodes' depth: a long match
-has predicted well and earns a long draft, a one-token match a short one. The per-request and
-global trees each propose; the draft with the larger expected accepted length is taken.
+did. The draft is a token tree grown best first by estimated probability (along its path, each
+continuation's count over all its siblings'), at most `spec_factor` x the match length deep: a
+long match has predicted well and earns a long draft, a one-token match a short one. The
+per-request and global trees each propose; the draft with the larger expected accepted length
+is taken.
 
 Trees are tries of every suffix cut to `max_depth` tokens ("depth-limited suffix trees"): a
 sequence of n tokens adds at most n * max_depth nodes, and appending a token walks max_depth
