@@ -1,4 +1,4 @@
-"""specserve command line: generate | bench | serve | bench-serve | tune | train-draft | self-spec-search."""
+"""specserve command line: generate | bench | serve | bench-serve | tune | verify | train-draft | self-spec-search."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     from specserve.bench.tune import add_tune_parser
     add_tune_parser(sub)
+    from specserve.verify import add_verify_parser
+    add_verify_parser(sub)
 
     s = sub.add_parser("self-spec-search", help="find the layers self_spec's draft skips; write them next to the model",
                        description="Runs the model greedily on calibration prompts, then removes decoder layers one "
@@ -75,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tune":
             from specserve.bench.tune import run_tune
             return run_tune(args)
+        if args.command == "verify":
+            from specserve.verify import run_verify
+            return run_verify(args)
         if args.command == "self-spec-search":
             return _self_spec_search(args)
         if args.command == "train-draft":

@@ -1,0 +1,195 @@
+"""`specserve verify`: check speculation's guarantee on your model and prompts.
+
+Two checks, one verdict:
+- greedy identity: each prompt decoded greedily with and without speculation must give the same
+  tokens, every one;
+- the sampled distribution (unless --temperature 0): per prompt, `--samples` seeded requests
+  with speculation and as many without sample the first `--sample-tokens` tokens; the two
+  empirical laws of that token tuple are compared by Pearson's chi-square test of homogeneity
+  (tuples expected fewer than 5 times in either run are pooled into one cell) and their total
+  variation distance is reported. Speculation that keeps the target's distribution leaves the
+  p-values uniform; a broken acceptance rule drives them to 0. A prompt fails when its p-value
+  is under `--alpha` divided by the number of prompts (Bonferroni: one verdict for all).
+
+The first token of a request comes from its prompt's pass, before any draft, so the tuple spans
+at least 3 tokens by default: the later ones are drafted and verified.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from specserve import engine_args
+from specserve.errors import InvalidParameterError
+
+BUILT_IN_PROMPTS = (
+    "Repeat this list twice: red, green, blue, yellow.",
+    "Write a short poem about the sea.",
+    "Explain what a linked list is in two sentences.",
+    "def fibonacci(n):",
+)
+VERIFY_K = 4  # drafts per step when --num-speculative-tokens is not given
+MIN_EXPECTED = 5.0  # Pearson's rule of thumb: cells expected fewer times are pooled
+
+
+def add_verify_parser(sub) -> None:
+    v = sub.add_parser("verify", help="check that speculation keeps the target's output: greedy identity and "
+                                      "the sampled distribution (chi-square); PASS or FAIL",
+                       description="Greedy output with and without speculation must be identical; sampled output "
+                                   "must have the same distribution (a chi-square test per prompt). Exits 1 on FAIL.")
+    engine_args.add_model_args(v)
+    engine_args.add_spec_args(v)
+    v.add_argument("--prompts", default=None, metavar="FILE",
+                   help="prompts: a JSONL file (its 'turns' or --field) or a text file, one prompt per line "
+                        f"(default: {len(BUILT_IN_PROMPTS)} built-in prompts)")
+    v.add_argument("--field", default="turns", help="JSONL field holding the prompt")
+    v.add_argument("--max-tokens", type=int, default=64, help="greedy tokens compared per prompt (default 64)")
+    v.add_argument("--temperature", type=float, default=1.0,
+                   help="the sampled check's temperature (default 1.0; 0: the greedy check only)")
+    v.add_argument("--top-p", type=float, default=1.0)
+    v.add_argument("--top-k", type=int, default=0)
+    v.add_argument("--samples", type=int, default=2000, help="sampled requests per prompt, each way (default 2000)")
+    v.add_argument("--sample-tokens", type=int, default=3,
+                   help="length of the sampled token tuple compared (default 3: the first token precedes any draft)")
+    v.add_argument("--alpha", type=float, default=1e-3, help="the test's level, shared by all prompts (default 1e-3)")
+
+
+@dataclass(slots=True)
+class SampledCheck:
+    prompt: int
+    pvalue: float
+    tvd: float  # total variation distance of the two empirical laws
+    cells: int  # tuples compared (after pooling)
+    acceptance_rate: float
+
+
+def homogeneity(a: Counter, b: Counter) -> tuple[float, float, int]:
+    """Chi-square test that two samples come from one law -> (p-value, total variation distance
+    of their empirical laws over those cells, cells used). Outcomes expected < MIN_EXPECTED times in either sample
+    are pooled into one cell (dropped if even that cell expects too few)."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = sorted(set(a) | set(b))
+    n = na + nb
+    big, rest = [], [0, 0]
+    for k in keys:
+        total = a[k] + b[k]
+        if min(total * na / n, total * nb / n) >= MIN_EXPECTED:
+            big.append((a[k], b[k]))
+        else:
+            rest[0] += a[k]
+            rest[1] += b[k]
+    if min(sum(rest) * na / n, sum(rest) * nb / n) >= MIN_EXPECTED:
+        big.append(tuple(rest))
+    if len(big) < 2:
+        return 1.0, 0.0, len(big)  # one cell: nothing to tell apart
+    obs = torch.tensor(big, dtype=torch.float64)  # [cells, 2]
+    # Over the cells compared: over raw tuples, unseen ones would make two samples of one
+    # high-entropy law look far apart.
+    tvd = 0.5 * float((obs[:, 0] / na - obs[:, 1] / nb).abs().sum())
+    col = obs.sum(0)
+    exp = obs.sum(1, keepdim=True) * col / col.sum()
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = len(big) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)))
+    return p, tvd, len(big)
+
+
+def read_prompts(path: str | None, field: str) -> list[str]:
+    if path is None:
+        return list(BUILT_IN_PROMPTS)
+    if path.endswith(".jsonl"):
+        from specserve.bench.workload import load_workload
+
+        return [p.text for p in load_workload(path, field)]
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise InvalidParameterError("prompts", path, "is not a file (a JSONL file, or a text file of one prompt per line)")
+    prompts = [line.strip() for line in file.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise InvalidParameterError("prompts", path, "holds no prompt (one per line)")
+    return prompts
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.speculative in (None, "none"):
+        raise InvalidParameterError("speculative", args.speculative, "name the method to verify, one of "
+                                    + ", ".join(engine_args.SPECULATIVE_METHODS[1:]))
+    for name, lo, hi in (("max_tokens", 1, 4096), ("samples", 50, 1_000_000), ("sample_tokens", 2, 8)):
+        value = getattr(args, name)
+        if not lo <= value <= hi:
+            raise InvalidParameterError(name, value, f"must be an integer in [{lo}, {hi}]")
+    if not 0 < args.alpha < 1:
+        raise InvalidParameterError("alpha", args.alpha, "must be in (0, 1)")
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from specserve.llm import LLM
+    from specserve.model.loader import load_model
+    from specserve.sampling_params import SamplingParams
+
+    _check_args(args)
+    texts = read_prompts(args.prompts, args.field)  # bad input is refused before the model loads
+    spec = engine_args.speculative_config(args, {})
+    if args.num_speculative_tokens is None:
+        # Adaptive depth may draft little on a given machine; a fixed depth puts every step
+        # through the verifier.
+        spec["num_speculative_tokens"] = VERIFY_K
+    loaded = load_model(**engine_args.load_kwargs(args, {}))
+    tok = loaded.tokenizer
+    # An instruct model is asked through its own chat template; a model without one, raw text.
+    prompts = [tok.encode_chat([{"role": "user", "content": t}]) if tok.chat_template else tok.encode(t) for t in texts]
+    size = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    batch = min(256, max(len(prompts), args.samples))
+    plain = LLM(loaded=loaded, max_num_seqs=batch, **size)
+    fast = LLM(loaded=loaded, max_num_seqs=batch, speculative_config=spec, **size)
+    print(f"verify: {loaded.name} ({loaded.kernels}), speculative_config {spec}, {len(prompts)} prompts")
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
+    got = fast.generate(prompts, greedy, use_tqdm=False)
+    mismatched = []
+    for i, (w, o) in enumerate(zip(want, got)):
+        g = o.outputs[0].token_ids
+        if g != w:
+            at = next((j for j, (x, y) in enumerate(zip(w, g)) if x != y), min(len(w), len(g)))
+            mismatched.append(i)
+            print(f"  greedy prompt {i}: DIFFERS at token {at} (plain {w[at:at + 3]}, speculative {g[at:at + 3]})")
+    stats = LLM.aggregate_spec_stats(got)
+    print(f"greedy: {len(prompts) - len(mismatched)}/{len(prompts)} prompts identical over {args.max_tokens} tokens "
+          f"(acceptance {stats.acceptance_rate:.2f}, {stats.num_drafted} drafted)")
+
+    checks: list[SampledCheck] = []
+    if args.temperature > 0:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.sample_tokens, ignore_eos=True)
+        n = args.samples
+        for i, ids in enumerate(prompts):
+            runs = []
+            for llm, first_seed in ((plain, 0), (fast, n)):  # independent draws each way
+                outs = llm.generate([ids] * n, [replace(params, seed=first_seed + s) for s in range(n)], use_tqdm=False)
+                runs.append(outs)
+            a, b = (Counter(tuple(o.outputs[0].token_ids) for o in outs) for outs in runs)
+            p, tvd, cells = homogeneity(a, b)
+            checks.append(SampledCheck(i, p, tvd, cells, LLM.aggregate_spec_stats(runs[1]).acceptance_rate))
+            c = checks[-1]
+            print(f"  sampled prompt {i}: p-value {c.pvalue:.4f}, total variation {c.tvd:.4f} over {c.cells} cells "
+                  f"({n} samples each way, acceptance {c.acceptance_rate:.2f})")
+    level = args.alpha / max(1, len(checks))
+    failed = [c for c in checks if c.pvalue < level]
+    if checks:
+        print(f"sampled: {len(checks) - len(failed)}/{len(checks)} prompts pass at p >= {level:.2g} "
+              f"(alpha {args.alpha:g} over {len(checks)} prompts), temperature {args.temperature:g}, "
+              f"first {args.sample_tokens} tokens")
+    ok = not mismatched and not failed
+    print("PASS: speculation kept the target's output" if ok else
+          "FAIL: " + "; ".join(filter(None, [f"greedy output differs for prompts {mismatched}" if mismatched else "",
+                                             f"sampled distribution differs for prompts {[c.prompt for c in failed]}"
+                                             if failed else ""])))
+    sys.stdout.flush()
+    return 0 if ok else 1

@@ -1,0 +1,97 @@
+"""`specserve verify`: the homogeneity test against known laws, PASS on the real verifier, FAIL
+on a deliberately broken one (greedy and sampled), and clear refusals of bad arguments."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from specserve.cli import main
+from specserve.verify import homogeneity
+from tests.helpers import make_tiny_checkpoint
+
+
+def test_homogeneity_accepts_one_law_and_rejects_two():
+    rng = random.Random(0)
+    same = [Counter(rng.choices(range(6), weights=[5, 4, 3, 2, 1, 1], k=3000)) for _ in range(2)]
+    p, tvd, cells = homogeneity(*same)
+    assert p > 1e-3 and tvd < 0.05 and cells == 6
+    other = Counter(rng.choices(range(6), weights=[1, 1, 2, 3, 4, 5], k=3000))
+    p, tvd, _ = homogeneity(same[0], other)
+    assert p < 1e-12 and tvd > 0.3
+    # Rare outcomes are pooled, so a long tail does not make the test fire.
+    tail = [Counter({**s, **{100 + i: 1 for i in range(j * 50, j * 50 + 50)}}) for j, s in enumerate(same)]
+    assert homogeneity(*tail)[0] > 1e-3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verify")
+    target = make_tiny_checkpoint(root / "t", vocab_size=8, hidden=32, heads=2, kv_heads=1, seed=5)
+    draft = make_tiny_checkpoint(root / "d", vocab_size=8, hidden=32, heads=2, kv_heads=1, seed=6, layers=1)
+    prompts = root / "prompts.txt"
+    prompts.write_text("t3 t5 t2\nt4 t4 t1 t6\n")
+    return ["verify", "--model", str(target), "--speculative", "draft_model", "--draft-model", str(draft),
+            "--prompts", str(prompts), "--samples", "3000", "--max-tokens", "16"]
+
+
+def test_verify_passes_on_the_real_verifier(models, capsys):
+    assert main(models) == 0
+    out = capsys.readouterr().out
+    assert "greedy: 2/2 prompts identical" in out and "sampled: 2/2 prompts pass" in out
+    assert out.strip().splitlines()[-1].startswith("PASS")
+
+
+def test_verify_fails_on_a_broken_acceptance_test(models, capsys, monkeypatch):
+    """An acceptance test that accepts with probability min(1, 2p/q) instead of min(1, p/q):
+    greedy output is untouched (it never reads the uniforms), the sampled law is not."""
+    import specserve.sample.tree_verifier as tv
+
+    real = tv.draw_noise
+
+    def halved(*args, **kwargs):
+        uniforms, expo = real(*args, **kwargs)
+        return uniforms * 0.5, expo
+
+    monkeypatch.setattr(tv, "draw_noise", halved)
+    assert main(models) == 1
+    out = capsys.readouterr().out
+    assert "greedy: 2/2 prompts identical" in out
+    assert out.strip().splitlines()[-1].startswith("FAIL: sampled distribution differs")
+
+
+def test_verify_fails_when_greedy_output_differs(models, capsys, monkeypatch):
+    import specserve.sample.tree_verifier as tv
+
+    real = tv.verify_flat
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.output_token_ids[:, 0] = (out.output_token_ids[:, 0] + 1) % 8  # the first committed token, wrong
+        return out
+
+    import specserve.engine.engine as engine_module
+
+    def sometimes(*args, **kwargs):  # only the speculative engine's steps that drafted
+        trees = args[0]
+        return off_by_one(*args, **kwargs) if any(t.num_nodes for t in trees) else real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "verify_flat", sometimes)
+    assert main(models + ["--temperature", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS at token" in out and out.strip().splitlines()[-1].startswith("FAIL: greedy output differs")
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--speculative", "none"], "name the method to verify"),
+    (["--samples", "10"], "samples=10: must be an integer in [50, 1000000]"),
+    (["--sample-tokens", "1"], "sample_tokens=1: must be an integer in [2, 8]"),
+    (["--alpha", "2"], "alpha=2.0: must be in (0, 1)"),
+    (["--prompts", "/no/such/file.txt"], "is not a file"),
+])
+def test_bad_arguments_are_refused_before_loading(extra, needle, capsys):
+    assert main(["verify", "--speculative", "ngram", *extra]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "\n" not in err.strip()
