@@ -19,7 +19,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec.lookahead import LookaheadProposer, LookaheadWindow, NgramPool, check_lookahead_params, draft_tree
 from tests.helpers import generate_ids, ragged_prompts
 from tests.test_engine_paged import alone, assert_all_blocks_free
-from tests.test_spec_e2e import LENGTH, SMOLLM_PROMPTS, micro, sample_first_tokens  # noqa: F401 (micro: a fixture)
+from tests.test_spec_e2e import LENGTH, assert_smollm_greedy_equals_plain, micro, sample_first_tokens  # noqa: F401 (micro: a fixture)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -199,13 +199,8 @@ def test_smollm_lookahead_greedy_equals_plain(smollm):
     """The embedded model, the default W, N, G at the depth of their whole tree (a fixed depth:
     under "auto" how much is drafted depends on the machine's timings), three requests in
     flight in the paged engine."""
-    msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=40)
-    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=3, speculative_config={"method": "lookahead", "num_speculative_tokens": 2})
-    outs = llm.chat(msgs, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == plain
-    assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+    llm = assert_smollm_greedy_equals_plain(smollm, {"method": "lookahead", "num_speculative_tokens": 2},
+                                            max_num_seqs=3, max_tokens=40)
     assert_all_blocks_free(llm)
 
 

@@ -72,14 +72,23 @@ SMOLLM_PROMPTS = [
 ]
 
 
-def test_smollm_ngram_greedy_equals_plain(smollm):
+def assert_smollm_greedy_equals_plain(smollm, spec: dict, max_num_seqs: int = 1, max_tokens: int = 64,
+                                      rounds: int = 1) -> LLM:
+    """SMOLLM_PROMPTS decoded greedily with `spec`, `rounds` times through one engine, equal
+    plain decoding's tokens every time, and some drafts were accepted. -> the engine."""
     msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=1, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    outs = llm.chat(msgs, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == plain
+    llm = LLM(loaded=smollm, max_num_seqs=max_num_seqs, speculative_config=spec)
+    for _ in range(rounds):
+        outs = llm.chat(msgs, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == plain
     assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+    return llm
+
+
+def test_smollm_ngram_greedy_equals_plain(smollm):
+    assert_smollm_greedy_equals_plain(smollm, {"method": "ngram", "num_speculative_tokens": 4})
 
 
 def test_rejected_draft_entries_are_never_read(tiny):

@@ -17,7 +17,7 @@ from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec import SpecRequest, VerifyFeedback
 from specserve.spec.suffix import COUNT, KIDS, SuffixProposer, SuffixTree, draft_tree
-from tests.test_spec_e2e import LENGTH, micro, sample_first_tokens, tiny_prompts  # noqa: F401  (micro: a fixture)
+from tests.test_spec_e2e import LENGTH, assert_smollm_greedy_equals_plain, micro, sample_first_tokens, tiny_prompts  # noqa: F401  (micro: a fixture)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -194,16 +194,8 @@ def test_tiny_greedy_suffix_equals_plain_twice_through(tiny):
 
 
 def test_smollm_greedy_suffix_equals_plain(smollm):
-    from tests.test_spec_e2e import SMOLLM_PROMPTS
-
-    msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=48)
-    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=3, speculative_config={"method": "suffix"})
-    for _ in range(2):
-        outs = llm.chat(msgs, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == plain
-    assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+    """Twice through one engine: the second time drafts from the global tree."""
+    assert_smollm_greedy_equals_plain(smollm, {"method": "suffix"}, max_num_seqs=3, max_tokens=48, rounds=2)
 
 
 def test_suffix_sampling_has_the_target_distribution(micro):  # noqa: F811

@@ -13,7 +13,7 @@ from specserve.model.paged_attention import PagedKVCache
 from specserve.sampling_params import SamplingParams
 from tests.helpers import generate_ids, ragged_prompts
 from tests.test_engine_paged import alone, assert_all_blocks_free
-from tests.test_spec_e2e import SMOLLM_PROMPTS, tiny_prompts
+from tests.test_spec_e2e import assert_smollm_greedy_equals_plain, tiny_prompts
 
 TREE = {"method": "ngram", "num_speculative_tokens": 4, "num_branches": 4}
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -115,12 +115,6 @@ def test_seeded_sampling_with_trees_is_reproducible(tiny, counts, prompts32):
 
 @pytest.mark.slow
 def test_smollm_tree_greedy_equals_plain(smollm, counts):
-    msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=64)
-    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
     for max_num_seqs in (1, 3):
-        llm = LLM(loaded=smollm, max_num_seqs=max_num_seqs, speculative_config=TREE)
-        outs = llm.chat(msgs, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == plain
-        assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+        assert_smollm_greedy_equals_plain(smollm, TREE, max_num_seqs=max_num_seqs)
     assert counts["trees"] > 0

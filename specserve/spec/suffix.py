@@ -68,7 +68,7 @@ def _no_gc():
 class SuffixTree:
     """Counts of every substring of at most `max_depth` tokens over a set of sequences.
 
-    `append(cursor, token)` extends one sequence being written; `add` / `remove` take a whole
+    `extend(cursor, tokens)` continues one sequence being written; `add` / `remove` take a whole
     sequence in or out. A cursor is the list of nodes spelling the current end's suffixes,
     cursor[d] the one of length d (cursor[0] the root), so appending token t moves each one to
     its child t: the suffixes of the longer sequence.
@@ -85,13 +85,10 @@ class SuffixTree:
         """The cursor of an empty sequence."""
         return [self.root]
 
-    def append(self, cursor: list[_Node], token: int) -> list[_Node]:
-        """Count `token` after the sequence `cursor` ends; the cursor of the longer sequence."""
-        return self.extend(cursor, (token,))
-
     def extend(self, cursor: list[_Node], tokens: Sequence[int]) -> list[_Node]:
-        """`append` of each token in turn (one call: this loop is the prompt's indexing cost,
-        so it keeps to locals and literal indices, [0] the count and [1] the children)."""
+        """Count `tokens` after the sequence `cursor` ends, one after the other; the cursor of
+        the longer sequence. (This loop is the prompt's indexing cost, so it keeps to locals and
+        literal indices: [0] the count, [1] the children.)"""
         with _no_gc():
             return self._walk(cursor, tokens)
 
