@@ -6,6 +6,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
+# How a generated token came, in the order a pass emits them: a plain step's token (no drafts
+# were verified), a draft the target accepted, the target's own token where it rejected a draft,
+# or the bonus token the target adds after a path of drafts it accepted to the end.
+PLAIN, DRAFT, CORRECTED, BONUS = "plain", "draft", "corrected", "bonus"
+TOKEN_SOURCES = (PLAIN, DRAFT, CORRECTED, BONUS)
+
+
 @dataclass(slots=True)
 class SpecStats:
     """Speculation figures of one request, or summed over many.
@@ -128,6 +135,16 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry when asked for
     error: str | None = None  # what failed, when finish_reason is "error"
+    token_sources: list[str] = field(default_factory=list)  # one of TOKEN_SOURCES per token_ids entry
+
+
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    """A stretch of streamed text and how the token it belongs to came (one of TOKEN_SOURCES).
+    A token's text may arrive in two pieces when a stop-string hold-back cuts it."""
+
+    text: str
+    source: str
 
 
 @dataclass(slots=True)
@@ -140,3 +157,4 @@ class RequestOutput:
     metrics: RequestMetrics
     spec: SpecStats
     new_text: str = ""  # text produced since the previous output of this request (for streaming)
+    new_pieces: list[TextPiece] = field(default_factory=list)  # new_text, token by token, with sources

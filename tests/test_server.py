@@ -83,6 +83,48 @@ def test_streamed_completion_equals_offline(client, offline):
     assert all(c.usage is None for c in chunks)  # no usage chunk unless asked for
 
 
+def _sources(pairs):
+    return {src for _, src in pairs}
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_streamed_provenance_is_opt_in_and_covers_the_text(client, offline, speculative):
+    """With `provenance`, each chunk carries its text token by token with sources, and the
+    choice's speculation figures; without it the chunks are OpenAI's own, no extra field."""
+    want = offline.chat(MESSAGES, greedy(30), use_tqdm=False)[0]
+    extra = {"ignore_eos": True, "speculative": speculative}
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0,
+                                                 stream=True, extra_body=extra | {"provenance": True}))
+    pairs = [pair for c in chunks for pair in c.choices[0].model_extra["provenance"]]
+    assert all(c.choices[0].delta.content == "".join(t for t, _ in c.choices[0].model_extra["provenance"])
+               for c in chunks)
+    assert "".join(t for t, _ in pairs) == want.outputs[0].text
+    last = chunks[-1].choices[0].model_extra["speculation"]
+    if speculative:
+        assert "draft" in _sources(pairs) and _sources(pairs) <= {"plain", "draft", "corrected", "bonus"}
+        assert last["num_accepted"] == want.spec.num_accepted and last["num_drafted"] > 0
+        assert len(last["acceptance_by_position"]) >= 1
+    else:
+        assert _sources(pairs) == {"plain"} and last["num_drafted"] == 0
+    plain = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=30, temperature=0,
+                                                stream=True, extra_body=extra))
+    assert all(not ({"provenance", "speculation"} & set(c.choices[0].model_extra or {})) for c in plain)
+
+
+def test_whole_response_provenance(client, offline):
+    want = offline.generate([PROMPT], greedy(), use_tqdm=False)[0]
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True, "provenance": True})
+    pairs = r.choices[0].model_extra["provenance"]
+    assert "".join(t for t, _ in pairs) == r.choices[0].text == want.outputs[0].text
+    assert [src for _, src in pairs].count("draft") <= r.choices[0].model_extra["speculation"]["num_accepted"]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
+                                          extra_body={"ignore_eos": True, "provenance": True})
+    assert "".join(t for t, _ in chat.choices[0].model_extra["provenance"]) == chat.choices[0].message.content
+    refused = httpx.post(f"{client.base_url}completions", json={"prompt": PROMPT, "provenance": "yes"})
+    assert refused.status_code == 400 and "provenance" in refused.text
+
+
 def test_raw_stream_ends_with_done(server):
     body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as r:

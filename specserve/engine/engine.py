@@ -21,7 +21,7 @@ from specserve.kv.budget import num_kv_blocks
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
-from specserve.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from specserve.outputs import BONUS, CORRECTED, DRAFT, PLAIN, CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import SamplingTensors, make_generator, verify_flat
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
@@ -51,6 +51,9 @@ class _Computed:
     accepted_nodes: list[int] = field(default_factory=list)
     num_draft: int = 0  # drafts scored (a tree's node count)
     depth: int = 0  # the most that could be accepted (a chain's length, a tree's depth)
+    # The last token replaced a rejected draft (the accepted path's end had children), rather
+    # than following a path accepted to its end (bonus) or a step with no drafts (plain).
+    corrected: bool = False
     proposer_time_s: float = 0.0  # this request's share of the step's drafting and target time
     target_time_s: float = 0.0
     # [1 + num_draft] argmax of the raw logits at the root and each node, for proposers with
@@ -333,7 +336,7 @@ class LLMEngine:
                 lo = fwd.logit_start[i]
                 logits = fwd.logits[[lo] + [lo + 1 + n for n in p]]  # row j scored committed token j
             c = _Computed(emitted.get(i, []), logits, hidden, decode=s.decode, accepted_nodes=p,
-                          num_draft=t.num_nodes, depth=t.max_depth)
+                          num_draft=t.num_nodes, depth=t.max_depth, corrected=(p[-1] if p else -1) in t.parents)
             if argmax is not None and i in emitted:
                 c.node_predictions = argmax[fwd.logit_start[i]:fwd.logit_start[i + 1]]
             if s.decode:
@@ -417,9 +420,11 @@ class LLMEngine:
         the scheduler's to move)."""
         r = s.request
         committed = []
-        for tok in c.token_ids:
+        accepted = len(c.accepted_nodes)
+        last = CORRECTED if c.corrected else BONUS if c.num_draft else PLAIN
+        for j, tok in enumerate(c.token_ids):
             committed.append(tok)
-            if r.append_token(tok, self.config.max_model_len):
+            if r.append_token(tok, self.config.max_model_len, DRAFT if j < accepted else last):
                 break
         if c.logits is not None:  # row j scored committed[j]
             r.logprobs.extend(token_logprobs(c.logits, committed, r.params.logprobs))
@@ -427,7 +432,6 @@ class LLMEngine:
             self.proposer.observe_hidden(r.request_id, r.num_computed_tokens, c.hidden)
         if not c.decode:
             return len(committed)
-        accepted = len(c.accepted_nodes)
         # A tree counts its depth as drafted (the most one pass can accept), so acceptance
         # by position reads as acceptance by depth.
         r.spec.record(c.depth, accepted, accepted + 1)
@@ -498,9 +502,11 @@ class LLMEngine:
         if r.finished and r.metrics.finished_time is None:
             r.metrics.finished_time = time.perf_counter()
         completion = CompletionOutput(0, r.text, list(r.output_token_ids), r.finish_reason, r.stop_reason,
-                                      list(r.logprobs) if r.params.logprobs is not None else None, r.error)
+                                      list(r.logprobs) if r.params.logprobs is not None else None, r.error,
+                                      list(r.token_sources))
+        new_text, new_pieces = r.take_new_text()
         return RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, [completion], r.finished,
-                             r.metrics, r.spec, new_text=r.take_new_text())
+                             r.metrics, r.spec, new_text=new_text, new_pieces=new_pieces)
 
     def output(self, request_id: str) -> RequestOutput:
         """The current output of a request the engine holds (e.g. an aborted one's last)."""

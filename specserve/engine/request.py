@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.outputs import RequestMetrics, SpecStats, TokenLogprob
+from specserve.outputs import PLAIN, RequestMetrics, SpecStats, TextPiece, TokenLogprob
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -51,6 +51,11 @@ class Request:
     error: str | None = None  # what failed, when finish_reason is "error"
     text: str = ""
     num_text_sent: int = 0  # characters of `text` already handed out for streaming
+    # Per output token: how it came (outputs.TOKEN_SOURCES) and where its text ends in `text`
+    # (a token's text is text[text_ends[i-1]:text_ends[i]]; a stop string may cut `text` short).
+    token_sources: list[str] = field(default_factory=list)
+    text_ends: list[int] = field(default_factory=list)
+    num_pieces_sent: int = 0  # tokens whose text was handed out whole
     spec: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.perf_counter()))
@@ -87,10 +92,17 @@ class Request:
     def failed(self) -> bool:
         return self.finish_reason == "error"
 
-    def append_token(self, token: int, max_model_len: int) -> bool:
-        """Commit one verified token and apply the stop rules; returns True when it finished
-        the request (later tokens of the same step are then dropped, as plain decoding would
-        never have produced them)."""
+    def append_token(self, token: int, max_model_len: int, source: str = PLAIN) -> bool:
+        """Commit one verified token (`source`: how it came, one of outputs.TOKEN_SOURCES) and
+        apply the stop rules; returns True when it finished the request (later tokens of the
+        same step are then dropped, as plain decoding would never have produced them)."""
+        try:
+            return self._append(token, max_model_len)
+        finally:
+            self.token_sources.append(source)
+            self.text_ends.append(len(self.text))
+
+    def _append(self, token: int, max_model_len: int) -> bool:
         self.output_token_ids.append(token)
         self.metrics.num_generated_tokens += 1
         if self.metrics.first_token_time is None:
@@ -136,14 +148,26 @@ class Request:
         """End the request because serving it raised: its tokens so far stay its output."""
         self.status, self.finish_reason, self.stop_reason, self.error = Status.FINISHED, "error", None, error
 
-    def take_new_text(self) -> str:
-        """Text not handed out yet. While stop strings are active, the last len(longest) - 1
-        characters are held back: they could still turn out to begin a stop string."""
+    def take_new_text(self) -> tuple[str, list[TextPiece]]:
+        """Text not handed out yet, and the same text token by token with each token's source.
+        While stop strings are active, the last len(longest) - 1 characters are held back: they
+        could still turn out to begin a stop string."""
         limit = len(self.text)
         if self.params.stop and not self.finished:
             limit -= max(len(s) for s in self.params.stop) - 1
-        if limit <= self.num_text_sent:
-            return ""
-        out = self.text[self.num_text_sent:limit]
+        start = self.num_text_sent
+        if limit <= start:
+            return "", []
+        pieces = []
+        i = self.num_pieces_sent
+        while i < len(self.text_ends):
+            lo = max(start, self.text_ends[i - 1] if i else 0)
+            hi = min(limit, self.text_ends[i])
+            if hi > lo:
+                pieces.append(TextPiece(self.text[lo:hi], self.token_sources[i]))
+            if self.text_ends[i] > limit:
+                break  # this token's text goes on past the limit: the rest of it comes later
+            i += 1
+        self.num_pieces_sent = i
         self.num_text_sent = limit
-        return out
+        return self.text[start:limit], pieces

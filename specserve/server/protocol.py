@@ -100,6 +100,10 @@ class _SamplingFields(_Strict):
     num_speculative_tokens: integer(ge=0, le=MAX_SPECULATIVE_TOKENS,
                                     json_schema_extra=model_bound(maximum="max_speculative_tokens")) | None = Field(
         None, description="extension: draft length for this request (0: none; only 0 on a server without speculation)")
+    provenance: StrictBool = Field(
+        False, description="extension: each choice also carries `provenance`, its text token by token as [text, "
+                           "source] pairs (source: plain, draft, corrected or bonus: how the token came), and "
+                           "`speculation`, its figures so far; in stream chunks, for the chunk's text")
 
 
 TokenPrompt = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=model_bound(maxItems="max_prompt_tokens"))]

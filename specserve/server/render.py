@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from specserve.outputs import RequestOutput, SpecStats, TokenLogprob
+from specserve.outputs import RequestOutput, SpecStats, TextPiece, TokenLogprob
 from specserve.server.protocol import ChatCompletionResponse, CompletionResponse, SpecUsage, Usage
 from specserve.tokenizer import Tokenizer
 
 # JSON has no -inf; a token the model rules out entirely reports this instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
+
+
+def provenance_fields(pieces: list[TextPiece], spec: SpecStats) -> dict:
+    """The provenance extension of a choice: its text as [text, source] pairs, token by token
+    (source one of outputs.TOKEN_SOURCES), and the request's speculation figures so far."""
+    return {"provenance": [[p.text, p.source] for p in pieces], "speculation": spec.as_dict()}
 
 
 class Renderer:
@@ -30,8 +36,9 @@ class Renderer:
             choices.append({"index": c.index, "text": prefix + o.text,
                             "logprobs": None if o.logprobs is None else self.completion_logprobs(o.logprobs, len(prefix)),
                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-        return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
+        body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                   usage=self.usage(job)).model_dump(exclude_none=False)
+        return self._with_provenance(job, body)
 
     def chat(self, job) -> dict:
         choices = []
@@ -40,8 +47,17 @@ class Renderer:
             choices.append({"index": c.index, "message": {"role": "assistant", "content": o.text},
                             "logprobs": None if o.logprobs is None else {"content": self.chat_logprobs(o.logprobs)},
                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-        return ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
+        body = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                       usage=self.usage(job)).model_dump()
+        return self._with_provenance(job, body)
+
+    def _with_provenance(self, job, body: dict) -> dict:
+        """The provenance extension's fields on each choice of a whole response (the response
+        models stay OpenAI's, so they are added after dumping)."""
+        if job.provenance:
+            for choice, c in zip(body["choices"], job.choices):
+                choice |= provenance_fields(c.pieces, c.last.spec)
+        return body
 
     def usage(self, job) -> Usage:
         lasts = [c.last for c in job.choices if c.last is not None]
@@ -65,6 +81,8 @@ class Renderer:
             c.logprobs_sent = len(o.logprobs)
         if out.finished:
             choice["stop_reason"] = o.stop_reason
+        if job.provenance:
+            choice |= provenance_fields(out.new_pieces, out.spec)
         return {"id": job.request_id, "object": "text_completion", "created": job.created, "model": job.model,
                 "choices": [choice]}
 
@@ -76,6 +94,8 @@ class Renderer:
         if o.logprobs is not None:
             choice["logprobs"] = {"content": self.chat_logprobs(o.logprobs[c.logprobs_sent:])}
             c.logprobs_sent = len(o.logprobs)
+        if job.provenance:
+            choice |= provenance_fields(out.new_pieces, out.spec)
         return {"id": job.request_id, "object": "chat.completion.chunk", "created": job.created, "model": job.model,
                 "choices": [choice]}
 

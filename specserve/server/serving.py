@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specserve.config import MAX_SPECULATIVE_TOKENS
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specserve.errors import InvalidParameterError, PromptError, SpecserveError
-from specserve.outputs import RequestOutput, SpecStats
+from specserve.outputs import RequestOutput, SpecStats, TextPiece
 from specserve.sampling_params import SamplingParams
 from specserve.server import render
 from specserve.server.errors import APIError, error_body
@@ -60,6 +60,8 @@ class Choice:
     last: RequestOutput | None = None
     text_sent: bool = False  # the first stream chunk of this choice went out
     logprobs_sent: int = 0
+    # Jobs asking for provenance without streaming: the text's pieces, gathered from every output.
+    pieces: list[TextPiece] = field(default_factory=list)
 
     @property
     def finish_reason(self) -> str:
@@ -84,6 +86,7 @@ class Job:
     model: str
     prompts: list[tuple[list[int], str | None]]
     chunk_object: str  # the "object" of its stream chunks
+    provenance: bool = False  # choices carry token provenance and speculation figures (an extension)
     choices: list[Choice] = field(default_factory=list)
     # (choice, its next output or the exception that ended its stream), from the followers;
     # None once the client has gone away.
@@ -109,7 +112,7 @@ class OpenAIServing:
             raise APIError(400, "echo together with logprobs is not supported (prompt log probabilities are not "
                                 "computed); drop one of them", "echo")
         prompts = self._completion_prompts(req.prompt)
-        job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion")
+        job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion", req.provenance)
         # OpenAI's default of 16 new tokens, when the client sent none, is cut to the context left.
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         params = self._params(req, prompts, req.max_tokens, explicit_max=explicit,
@@ -132,7 +135,7 @@ class OpenAIServing:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk")
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk", req.provenance)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self._params(req, job.prompts, max_tokens, explicit_max=max_tokens is not None,
@@ -287,6 +290,8 @@ class OpenAIServing:
                 if isinstance(out, Exception):
                     raise out
                 c.last = out
+                if job.provenance:
+                    c.pieces.extend(out.new_pieces)
                 remaining -= out.finished
             failure = next((c.failure for c in job.choices if c.failure), None)
             if failure:
