@@ -236,3 +236,17 @@ def test_embedded_model_chat_equals_offline(smollm):
             model="smollm2", messages=messages, max_tokens=40, temperature=0, stream=True) if ch.choices)
     assert r.choices[0].message.content == plain
     assert streamed == plain
+
+
+def test_metrics_count_generated_tokens_by_source(server, client):
+    server.wait_idle()
+    before = {s: server.metric("specserve_generation_tokens_by_source_total", source=s)
+              for s in ("plain", "draft", "corrected", "bonus")}
+    accepted = server.metric("specserve_spec_accepted_tokens_total")
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = {s: server.metric("specserve_generation_tokens_by_source_total", source=s) for s in before}
+    grown = {s: after[s] - before[s] for s in before}
+    assert sum(grown.values()) == r.usage.completion_tokens == 24
+    assert grown["draft"] == server.metric("specserve_spec_accepted_tokens_total") - accepted > 0

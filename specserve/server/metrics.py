@@ -8,10 +8,12 @@ while it changes.
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from specserve.engine.async_engine import AsyncEngine
-from specserve.outputs import RequestOutput, SpecStats
+from specserve.outputs import TOKEN_SOURCES, RequestOutput, SpecStats
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
@@ -26,6 +28,10 @@ class ServerMetrics:
                                 ["model_name", "finish_reason"], registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of ended requests", ["model_name"], registry=r).labels(**label)
         self.generation_tokens = Counter("specserve_generation_tokens", "Tokens generated", ["model_name"], registry=r).labels(**label)
+        by_source = Counter("specserve_generation_tokens_by_source", "Tokens generated, by how they came: plain (a "
+                            "step without drafts), draft (accepted), corrected (the target's token for a rejected "
+                            "draft), bonus (after drafts accepted to the end)", ["model_name", "source"], registry=r)
+        self.by_source = {src: by_source.labels(**label, source=src) for src in TOKEN_SOURCES}
         self.drafted = Counter("specserve_spec_drafted_tokens", "Draft tokens proposed for verification",
                                ["model_name"], registry=r).labels(**label)
         self.accepted = Counter("specserve_spec_accepted_tokens", "Draft tokens accepted by the verifier",
@@ -92,6 +98,8 @@ class ServerMetrics:
         self.requests.labels(model_name=self._model_name, finish_reason=out.outputs[0].finish_reason or "abort").inc()
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.generation_tokens.inc(m.num_generated_tokens)
+        for src, n in Tally(out.outputs[0].token_sources).items():
+            self.by_source[src].inc(n)
         self.drafted.inc(s.num_drafted)
         self.accepted.inc(s.num_accepted)
         self.passes.inc(s.num_target_passes)
