@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 # An editing task, as speculation is used: the answer copies much of the text it is given, which
 # the n-gram proposer drafts from the prompt. FILE= empty asks PROMPT alone.
-PROMPT ?= Fix the grammar of this paragraph and return the corrected paragraph:
+PROMPT ?= Correct the grammar mistakes in this paragraph. Reply with the corrected paragraph only.
 FILE ?= examples/paragraph.txt
 
 .PHONY: setup setup-test run test clean
