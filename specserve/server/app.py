@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from specserve import __version__
 from specserve.server.errors import APIError, error_response, validation_message
 from specserve.server.metrics import ServerMetrics
+from specserve.server.playground import add_playground
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, ErrorResponse, ModelCard, ModelList, fill_model_bounds)
 from specserve.server.serving import OpenAIServing
@@ -118,6 +119,8 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
+    if config.ui:
+        add_playground(app)
     return app
 
 

@@ -20,7 +20,8 @@ from specserve.errors import InvalidParameterError
 
 def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                       description="POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics")
+                       description="POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics, "
+                                   "and the playground page at /")
     engine_args.add_config_arg(s)
     engine_args.add_model_args(s)
     engine_args.add_spec_args(s)
@@ -36,6 +37,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--body-timeout", type=float, default=10.0,
                    help="seconds a request body may take to arrive; slower ones get 408 and the connection closes")
     s.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
+    s.add_argument("--no-ui", action="store_true", help="do not serve the playground page at / (it is on by default)")
     s.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log line")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -45,7 +47,6 @@ def run_serve(args) -> int:
     from specserve.config_file import load_config_file
     from specserve.llm import LLM
     from specserve.model.loader import load_model
-    from specserve.server.serving import ServerConfig
     from specserve.server.shutdown import DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -71,17 +72,16 @@ def run_serve(args) -> int:
     t = time.perf_counter()
     loaded = load_model(**engine_args.load_kwargs(args, file))
     llm = LLM(loaded=loaded, speculative_config=spec, **engine_args.engine_kwargs(args, file))
-    names = tuple(args.served_model_name or [loaded.name])
-    config = ServerConfig(served_model_names=names, max_model_len=llm.engine_config.max_model_len,
-                          api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                          log_prompts=args.log_prompts, grace_period_s=args.grace_period)
+    config = server_config(args, loaded.name, llm.engine_config.max_model_len)
     app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
     log.info("loaded %s in %.1fs (%s; speculation: %s; %s)", loaded.name, time.perf_counter() - t,
              loaded.kernels, spec["method"] if spec else "none", llm.kv_budget.describe())
     if loaded.notice:
         log.warning(loaded.notice)
-    log.info("serving %s on http://%s:%d/v1", ", ".join(names), host, port)
+    log.info("serving %s on http://%s:%d/v1", ", ".join(config.served_model_names), host, port)
+    if config.ui:
+        log.info("playground: http://%s:%d/ (off with --no-ui)", host, port)
 
     server = DrainingServer(app, engine, args.grace_period, log_level=args.log_level, access_log=False, lifespan="on")
     # uvicorn re-raises the signal that stopped it once it has shut down; a handler of our own
@@ -92,6 +92,15 @@ def run_serve(args) -> int:
     asyncio.run(server.serve(sockets=[sock]))
     log.info("stopped%s", f" on signal {signal.Signals(stops[0]).name}" if stops else "")
     return 0
+
+
+def server_config(args, model_name: str, max_model_len: int):
+    """The ServerConfig that `serve`'s arguments describe, for a model of that name and context."""
+    from specserve.server.serving import ServerConfig
+
+    return ServerConfig(served_model_names=tuple(args.served_model_name or [model_name]), max_model_len=max_model_len,
+                        api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                        log_prompts=args.log_prompts, grace_period_s=args.grace_period, ui=not args.no_ui)
 
 
 def build_app_for(llm, config, max_waiting: int | None):

@@ -45,6 +45,7 @@ class ServerConfig:
     body_timeout_s: float = 10.0  # a request body must arrive whole within this time (else 408)
     log_prompts: bool = False  # prompt text in the per-request log line (off: prompts may be private)
     grace_period_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
+    ui: bool = True  # the playground page at / (server/playground.py); off with --no-ui
 
 
 @dataclass(slots=True)
