@@ -39,9 +39,13 @@ WAIT = 120_000  # ms; generous, for a slow or busy machine (nothing here asserts
 
 
 @pytest.fixture(scope="module")
-def server(smollm):
-    llm = LLM(loaded=smollm, speculative_config={"method": "ngram", "num_speculative_tokens": 4}, max_num_seqs=4,
-              max_model_len=1024)
+def server():
+    # The embedded model as `specserve serve` loads it (native kernels on its quantized blocks),
+    # so that the figures on the page (and in the README's screenshot) are what users see.
+    from specserve.model.loader import load_model
+
+    llm = LLM(loaded=load_model("default"), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+              max_num_seqs=4, max_model_len=1024)
     with RunningServer(llm, name="smollm", api_key=KEY) as s:
         yield s
 
