@@ -14,6 +14,7 @@ import time
 from dataclasses import fields, replace
 
 from specserve import engine_args
+from specserve.bench.plot import check_plot_path, draw, load_result, require_matplotlib
 from specserve.bench.runner import Config
 from specserve.config import PATH_METHODS
 from specserve.errors import InvalidParameterError
@@ -57,6 +58,12 @@ def add_bench_parser(sub) -> None:
                    help="throughput mode: keep N requests in flight in one engine, or a comma list to sweep "
                         "(e.g. 1,4,16,64); without it, one request at a time (latency mode)")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
+    b.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw the figures into this PNG: speedup over plain by category (by concurrency with "
+                        "--concurrency), acceptance by draft position, tok/s against concurrency; as measured "
+                        "(pip install 'specserve[plot]')")
+    b.add_argument("--plot-from", default=None, metavar="RESULTS.json",
+                   help="with --plot: draw from a file --json wrote, without running anything")
     engine_args.add_config_arg(b)
     engine_args.add_model_args(b)
     engine_args.add_engine_args(b)
@@ -155,6 +162,12 @@ def machine_info(device, kernels: str) -> dict:
 
 
 def run_bench(args) -> int:
+    if args.plot is not None:  # before anything loads: a figure that cannot be drawn wastes the run
+        check_plot_path(args.plot)
+        require_matplotlib()
+    if args.plot_from is not None:
+        return redraw(args.plot_from, args.plot, args.json)
+
     import torch
     from tqdm import tqdm
 
@@ -176,6 +189,9 @@ def run_bench(args) -> int:
     file = load_config_file(args.config)
     flags = engine_args.given(args, engine_args.FLAG_KEYS)
     spec_configs = speculative_configs(methods, ks, flags, file.get("speculative_config"))
+    if args.plot and not spec_configs and concurrency is None:
+        raise InvalidParameterError("plot", args.plot, "draws speculative methods against plain decoding; name one "
+                                    "in --methods, or sweep --concurrency")
     defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
     lookup = {k: flags.get(k, defaults[k]) for k in engine_args.LOOKUP_KEYS}
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
@@ -249,12 +265,26 @@ def run_bench(args) -> int:
         results = [report(r.config, s, samples[0], categories, args.temperature,
                           passes if args.repeat > 1 else None) for r, s in zip(runners, samples)]
         _print_table(results, time.perf_counter() - t0)
+    doc = {"machine": machine, "model": loaded.name, "model_path": str(loaded.path), "settings": settings,
+           "workload": workload, "results": [r.as_dict() for r in results]}
     if args.json:
-        doc = {"machine": machine, "model": loaded.name, "model_path": str(loaded.path), "settings": settings,
-               "workload": workload, "results": [r.as_dict() for r in results]}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        draw(doc, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def redraw(source: str, plot: str | None, json_path: str | None) -> int:
+    """--plot-from: the figure of a saved run; nothing is measured, so nothing else is written."""
+    if plot is None:
+        raise InvalidParameterError("plot_from", source, "needs --plot FILE.png, the figure to draw")
+    if json_path is not None:
+        raise InvalidParameterError("json", json_path, "writes a run's figures; --plot-from runs nothing")
+    draw(load_result(source), plot)
+    print(f"wrote {plot}", file=sys.stderr)
     return 0
 
 
