@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from specserve.llm import LLM
-from tests.server_helpers import RunningServer
+from tests.server_helpers import RunningServer, hold_after_one_step
 
 try:
     from playwright.sync_api import expect, sync_playwright
@@ -47,6 +47,7 @@ def server():
     llm = LLM(loaded=load_model("default"), speculative_config={"method": "ngram", "num_speculative_tokens": 4},
               max_num_seqs=4, max_model_len=1024)
     with RunningServer(llm, name="smollm", api_key=KEY) as s:
+        s.llm = llm
         yield s
 
 
@@ -112,7 +113,7 @@ def test_a_chat_streams_coloured_tokens_figures_and_the_comparison(page, tmp_pat
     page.screenshot(path=os.environ.get("SPECSERVE_SCREENSHOT") or str(tmp_path / "playground.png"), full_page=True)
 
 
-def test_errors_show_the_servers_message_and_stop_aborts(page, server):
+def test_errors_show_the_servers_message_and_stop_aborts(page, server, monkeypatch):
     expect(page.locator("#error")).to_contain_text("missing API key")
     page.fill("#prompt", "Hello")
     page.press("#prompt", "Shift+Enter")  # a new line, not a send
@@ -135,9 +136,12 @@ def test_errors_show_the_servers_message_and_stop_aborts(page, server):
 
     page.fill("#max-tokens", "400")
     page.uncheck("#compare")
+    # The engine's step after the first waits, so the answer cannot end before Stop is pressed.
+    release = hold_after_one_step(server.llm.engine, monkeypatch)
     page.click("#send")
     expect(page.locator(".answer .tok").first).to_be_visible(timeout=WAIT)
     page.click("#stop")
     expect(page.locator(".answer")).to_have_attribute("data-status", "stopped")
+    release.set()
     expect(page.locator("#error")).to_be_hidden()
     expect(page.locator("#send")).to_be_enabled()

@@ -95,3 +95,18 @@ def test_fuzzed_requests_pass_every_check(server, label, mode):
     else:
         assert seen.get(200), seen
     assert server.wait_idle()["specserve_kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("extra, accepted", [({}, False), ({"logprobs": False}, False), ({"logprobs": None}, False),
+                                             ({"logprobs": True}, True)])
+def test_schema_and_server_agree_on_top_logprobs(server, extra, accepted):
+    """top_logprobs needs logprobs=true, also when logprobs is left out (a fuzzed body once found
+    the schema allowing that while the server refused it)."""
+    import jsonschema_rs
+
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    schema = doc["components"]["schemas"]["ChatCompletionRequest"] | {"components": doc["components"]}
+    body = {"messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2, "top_logprobs": 2} | extra
+    assert jsonschema_rs.validator_for(schema).is_valid(body) == accepted
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert (r.status_code == 200) == accepted and (accepted or r.status_code == 400)

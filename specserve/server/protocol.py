@@ -140,9 +140,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="needs logprobs=true")
 
-    # The schema says what serving.py answers 400: top_logprobs without logprobs=true.
-    model_config = ConfigDict(json_schema_extra=_forbids({"top_logprobs": {"type": "integer"},
-                                                          "logprobs": {"not": {"const": True}}}))
+    # The schema says what serving.py answers 400: top_logprobs without logprobs=true, where
+    # logprobs may be absent (false by default), so it cannot be one of _forbids' required fields.
+    model_config = ConfigDict(json_schema_extra={"not": {
+        "required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}},
+        "not": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}})
 
 
 # ---- responses -------------------------------------------------------------------------------
