@@ -102,8 +102,8 @@ def test_a_chat_streams_coloured_tokens_figures_and_the_comparison(page, tmp_pat
     expect(page.locator("#fig-speedup")).to_have_text(re.compile(r"^\d+\.\d\d×$"))
     assert page.locator("#by-position rect.bar").count() >= 1
 
-    # /metrics, polled every 2 s: every sparkline has a line, and generation tokens/s (a rate
-    # of a counter bumped as each request ends) has risen above zero.
+    # /metrics, polled every 2 s: every sparkline has a line, and generation tokens/s (the rate
+    # of the counter of generated tokens) has risen above zero.
     page.wait_for_function("""() => {
         const lines = [...document.querySelectorAll('#sparklines polyline')];
         const ys = (l) => l.getAttribute('points').split(' ').map((p) => Number(p.split(',')[1]));

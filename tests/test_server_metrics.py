@@ -120,3 +120,20 @@ def test_adaptive_speculation_shows_the_depths_it_chose():
     assert 'specserve_spec_mean_draft_depth{model_name="m"} 0.9' in text  # (0*6 + 2*3 + 3*1) / 10
     plain = ServerMetrics(SimpleNamespace(snapshot=EngineStats()), "m").render().decode()
     assert "specserve_spec_draft_depth_chosen{" not in plain
+
+
+def test_generated_tokens_are_counted_as_they_stream(server, monkeypatch):
+    """A request held after its first step has its first token counted already: rates of the
+    counter read live, not only when requests end."""
+    server.wait_idle()
+    before = server.metric("specserve_generation_tokens_total")
+    release = hold_after_one_step(server.llm.engine, monkeypatch)
+    seen = []
+    body = {"prompt": "t5 t6", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    events = stream(server, body, lambda: (wait_for(lambda: server.metric("specserve_generation_tokens_total") > before),
+                                           seen.append(server.metric("specserve_requests_total")), release.set()),
+                    hang_up=False)
+    assert events[-1] == "data: [DONE]"
+    server.wait_idle()
+    assert server.metric("specserve_generation_tokens_total") - before == 6
+    assert server.metric("specserve_requests_total") == seen[0] + 1  # it had not ended when its token was counted

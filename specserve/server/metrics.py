@@ -1,7 +1,8 @@
 """Prometheus figures of the server (prometheus-client, one registry per app).
 
 Counters and histograms are updated once per engine request, by the serving layer when it sees
-the request's last output (serving.py), on the event loop. Gauges read the engine's last
+the request's last output (serving.py), on the event loop; generated tokens are counted as they
+stream. Gauges read the engine's last
 published snapshot at scrape time, so a scrape never waits for a step or reads the scheduler
 while it changes.
 """
@@ -91,15 +92,23 @@ class ServerMetrics:
         self._open -= 1
         self.requests.labels(model_name=self._model_name, finish_reason="error").inc()
 
+    def generated(self, out: RequestOutput, counted: int) -> int:
+        """Count the tokens of an output not counted yet (the first `counted` were), as they
+        stream, so that rates read live rather than jumping when a request ends. Returns the
+        tokens counted so far."""
+        sources = out.outputs[0].token_sources
+        if len(sources) > counted:
+            self.generation_tokens.inc(len(sources) - counted)
+            for src, n in Tally(sources[counted:]).items():
+                self.by_source[src].inc(n)
+        return len(sources)
+
     def ended(self, out: RequestOutput) -> None:
         """The last output of an engine request (finished, stopped, aborted or failed alone)."""
         self._open -= 1
         m, s = out.metrics, out.spec
         self.requests.labels(model_name=self._model_name, finish_reason=out.outputs[0].finish_reason or "abort").inc()
         self.prompt_tokens.inc(m.num_prompt_tokens)
-        self.generation_tokens.inc(m.num_generated_tokens)
-        for src, n in Tally(out.outputs[0].token_sources).items():
-            self.by_source[src].inc(n)
         self.drafted.inc(s.num_drafted)
         self.accepted.inc(s.num_accepted)
         self.passes.inc(s.num_target_passes)

@@ -243,12 +243,14 @@ class OpenAIServing:
             raise
 
     def _follow(self, job: Job, c: Choice) -> Choice:
-        """Start c's follower: every output of its engine stream goes to `job.outputs`, and the
-        request is counted in the metrics once, when its stream ends."""
+        """Start c's follower: every output of its engine stream goes to `job.outputs`, its new
+        tokens to the metrics, and the request is counted in the metrics once, when its stream
+        ends."""
         async def follow() -> None:
-            last = None
+            last, counted = None, 0
             try:
                 async for last in self.engine.stream(c.handle):
+                    counted = self.metrics.generated(last, counted)
                     job.outputs.put_nowait((c, last))
             except Exception as e:  # refused after submission, or the engine stopped
                 self.metrics.failed()
