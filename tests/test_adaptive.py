@@ -52,6 +52,39 @@ def test_observations_move_the_knots_toward_the_measured_time_and_clip_outliers(
     assert m.num_observed == 202 and m.base_time(4) <= before * 1.1
 
 
+def test_the_model_follows_the_machines_level_not_only_the_knots_steps_reach():
+    """Probed 10x too slow (the cores were busy at start-up), then steps of one token only at
+    the machine's real speed: the whole table comes down, knots no step reached included."""
+    m = linear_cost(5e-2, 1e-3)
+    for _ in range(cost_module.DRIFT_MIN_STEPS + 10):
+        m.observe(PassShape(1), 5e-3)
+    assert m.num_rescales >= 1 and "rescaled" in m.describe()
+    assert m.base_time(8) == pytest.approx(5e-3 + 8e-4, rel=0.5)  # 10x off before
+    assert m.base_time(64) == pytest.approx(5e-3 + 64e-4, rel=0.5)  # far knots too, by the probe's shape
+
+
+def test_stalls_do_not_rescale_the_model():
+    m = linear_cost(5e-3, 1e-4)
+    for i in range(200):
+        m.observe(PassShape(1), 5.0 if i % 25 == 0 else 5.1e-3)  # a 1000x stall now and then
+    assert m.num_rescales == 0 and m.base_time(8) == pytest.approx(5.8e-3, rel=0.05)
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_slow_start_up_probe_does_not_keep_drafting_off(monkeypatch, follow):
+    """After a probe taken under load, one-token steps teach the first knot the real speed; the
+    knots of a few tokens more stay high unless the level follows, so drafts look too dear and
+    no step ever reaches them."""
+    if not follow:
+        monkeypatch.setattr(cost_module, "DRIFT_RESCALE", float("inf"))
+    p = SpeculationPlanner(linear_cost(5e-2, 1e-2), max_depth=8)
+    learned(p, "a", 8, 6)
+    for _ in range(400):
+        p.observe_step(PassShape(1), 5.1e-3, 0.0, 0)
+    depth = p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0]
+    assert (depth > 0) == follow
+
+
 def test_measure_recovers_the_costs_of_a_known_machine(monkeypatch):
     """measure() on a fake clock that charges a known pass cost per (tokens, context) request list."""
     clock = [0.0]

@@ -19,11 +19,19 @@ at a long context. After each step the table entry at that step's N moves toward
 time less the context terms (an exponential average; outliers clipped, since a shared machine
 stalls now and then), so the model follows the machine it runs on, batch sizes the start-up
 probe did not reach included.
+
+Steps only teach the knots they reach, and a machine can change as a whole: a start-up probe
+taken while other processes held the cores reads every pass several times too slow, and if the
+knots of a few more tokens stay that high, drafts look too dear to try, so no step ever reaches
+them. So the model also follows the machine's level: an exponential average of log(measured /
+predicted) over all steps, and when it stays more than 2x off, the whole table and the context
+terms are scaled by it (the shape the probe measured is kept; its level is the step times').
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +41,13 @@ from dataclasses import dataclass, field
 KNOTS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 # Weight of one step's measurement in the table (after clipping to [1/2, 2] x the prediction).
 LEARNING_RATE = 0.05
+# The machine's level (module note): the weight of one step in the average of log(measured /
+# predicted), each step's ratio clipped to [1/16, 16] so that one stall moves it little; the
+# whole model is scaled once the average is more than DRIFT_RESCALE x off, at most once every
+# DRIFT_MIN_STEPS steps.
+DRIFT_RATE = 0.1
+DRIFT_RESCALE = 2.0
+DRIFT_MIN_STEPS = 20
 
 
 @dataclass(slots=True)
@@ -59,7 +74,10 @@ class PassCostModel:
     per_query_key: float = 0.0  # seconds per query-key pair (S)
     num_observed: int = 0
     source: str = "measured at start-up"
+    num_rescales: int = 0  # times the machine's level moved the whole model (module note)
     _monotone: list[float] = field(default_factory=list, repr=False)
+    _drift: float = field(default=0.0, repr=False)  # average log(measured / predicted)
+    _since_rescale: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.base) != len(self.knots):
@@ -90,7 +108,10 @@ class PassCostModel:
         return self.base_time(shape.num_tokens) + self.per_read * shape.keys_read + self.per_query_key * shape.query_keys
 
     def observe(self, shape: PassShape, seconds: float) -> None:
-        """A step's measured pass time: moves the knots around its N toward it."""
+        """A step's measured pass time: moves the knots around its N toward it, and the whole
+        model when the machine's level has moved (module note)."""
+        predicted = self.predict(shape)
+        self._follow_level(seconds / predicted)
         predicted = self.predict(shape)
         seconds = min(max(seconds, 0.5 * predicted), 2.0 * predicted)
         residual = seconds - predicted
@@ -110,15 +131,33 @@ class PassCostModel:
         self.num_observed += 1
         self._refresh()
 
+    def _follow_level(self, ratio: float) -> None:
+        ratio = min(max(ratio, 1 / 16), 16.0)
+        self._drift += DRIFT_RATE * (math.log(ratio) - self._drift)
+        self._since_rescale += 1
+        # The average starts at 0 after each rescale: corrected for that, as Adam's moments are.
+        level = self._drift / (1.0 - (1.0 - DRIFT_RATE) ** self._since_rescale)
+        if self._since_rescale < DRIFT_MIN_STEPS or abs(level) <= math.log(DRIFT_RESCALE):
+            return
+        factor = math.exp(level)
+        self.base = [t * factor for t in self.base]
+        self.per_read *= factor
+        self.per_query_key *= factor
+        self._drift, self._since_rescale = 0.0, 0
+        self.num_rescales += 1
+        self._refresh()
+
     def describe(self) -> str:
         ms = lambda n: f"{1e3 * self.base_time(n):.2f}"  # noqa: E731
-        return (f"pass cost ({self.source}; {self.num_observed} steps since): {ms(1)} ms at 1 token, {ms(4)} at 4, "
+        rescaled = f", rescaled {self.num_rescales} times" if self.num_rescales else ""
+        return (f"pass cost ({self.source}; {self.num_observed} steps since{rescaled}): {ms(1)} ms at 1 token, {ms(4)} at 4, "
                 f"{ms(8)} at 8, {ms(16)} at 16, {ms(64)} at 64; +{1e6 * self.per_read:.2f} us per key read, "
                 f"+{1e9 * self.per_query_key:.1f} ns per query-key pair")
 
     def as_dict(self) -> dict:
         return {"knots": list(self.knots), "base_s": [round(t, 7) for t in self.base], "per_read_s": self.per_read,
-                "per_query_key_s": self.per_query_key, "num_observed": self.num_observed, "source": self.source}
+                "per_query_key_s": self.per_query_key, "num_observed": self.num_observed, "num_rescales": self.num_rescales,
+                "source": self.source}
 
     @classmethod
     def measure(cls, run: Callable[[list[tuple[int, int]]], None], max_tokens: int, max_context: int,
