@@ -121,6 +121,10 @@ def test_whole_response_provenance(client, offline):
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
                                           extra_body={"ignore_eos": True, "provenance": True})
     assert "".join(t for t, _ in chat.choices[0].model_extra["provenance"]) == chat.choices[0].message.content
+    echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, echo=True,
+                                       extra_body={"ignore_eos": True, "provenance": True, "n": 2})
+    for choice in echoed.choices:  # the echoed prompt is text, not provenance; every choice has its own
+        assert PROMPT + "".join(t for t, _ in choice.model_extra["provenance"]) == choice.text
     refused = httpx.post(f"{client.base_url}completions", json={"prompt": PROMPT, "provenance": "yes"})
     assert refused.status_code == 400 and "provenance" in refused.text
 

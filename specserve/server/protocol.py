@@ -103,7 +103,8 @@ class _SamplingFields(_Strict):
     provenance: StrictBool = Field(
         False, description="extension: each choice also carries `provenance`, its text token by token as [text, "
                            "source] pairs (source: plain, draft, corrected or bonus: how the token came), and "
-                           "`speculation`, its figures so far; in stream chunks, for the chunk's text")
+                           "`speculation`, its figures so far; in stream chunks, for the chunk's text (an echoed "
+                           "prompt is not in it: it covers generated text only)")
 
 
 TokenPrompt = Annotated[list[TokenId], Field(min_length=1, json_schema_extra=model_bound(maxItems="max_prompt_tokens"))]
