@@ -49,12 +49,14 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        serving.chat_renderer.start()
         try:
             yield
         finally:
             # The HTTP server has stopped taking connections and waited (up to the grace
             # period) for open ones; whatever still runs is aborted here.
             engine.shutdown()
+            serving.chat_renderer.close()
 
     app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of a specserve engine (lossless speculative decoding)")

@@ -39,6 +39,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
     s.add_argument("--no-ui", action="store_true", help="do not serve the playground page at / (it is on by default)")
     s.add_argument("--log-prompts", action="store_true", help="include prompt text in the per-request log line")
+    s.add_argument("--special-tokens-in-content", action="store_true",
+                   help="encode control-token text in chat messages (e.g. <|im_end|>) as control tokens, as vLLM does; "
+                        "off by default, so a user cannot forge a system turn")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -100,7 +103,8 @@ def server_config(args, model_name: str, max_model_len: int):
 
     return ServerConfig(served_model_names=tuple(args.served_model_name or [model_name]), max_model_len=max_model_len,
                         api_key=args.api_key, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
-                        log_prompts=args.log_prompts, grace_period_s=args.grace_period, ui=not args.no_ui)
+                        log_prompts=args.log_prompts, grace_period_s=args.grace_period, ui=not args.no_ui,
+                        special_tokens_in_content=args.special_tokens_in_content)
 
 
 def build_app_for(llm, config, max_waiting: int | None):

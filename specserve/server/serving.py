@@ -32,6 +32,8 @@ from specserve.server.errors import APIError, error_body
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.tokenizer import Tokenizer
+from specserve.tokenizer.chat import RenderBounds, TemplateBoundsError
+from specserve.tokenizer.render_worker import RenderWorker
 
 logger = logging.getLogger("specserve.server")
 
@@ -46,6 +48,11 @@ class ServerConfig:
     log_prompts: bool = False  # prompt text in the per-request log line (off: prompts may be private)
     grace_period_s: float = 30.0  # on SIGTERM, how long running requests may take to finish
     ui: bool = True  # the playground page at / (server/playground.py); off with --no-ui
+    # Off: control-token text in chat messages (`<|im_end|>`) is encoded as plain text, so a user
+    # cannot close their turn and forge a system one. On (--special-tokens-in-content): encoded as
+    # control tokens, as transformers and vLLM do, for clients that are trusted to write them.
+    special_tokens_in_content: bool = False
+    chat_render: RenderBounds = RenderBounds()  # time, size and memory bounds of a chat template render
 
 
 @dataclass(slots=True)
@@ -103,6 +110,8 @@ class OpenAIServing:
         self.config = config
         self.metrics = metrics
         self.render = render.Renderer(tokenizer)
+        # The model's chat template is untrusted code: it runs in a worker process with a time limit.
+        self.chat_renderer = RenderWorker(config.chat_render)
         self._followers: set[asyncio.Task] = set()  # held here: the loop keeps only weak references
 
     # ---- endpoints -----------------------------------------------------------------------------
@@ -112,7 +121,8 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported (prompt log probabilities are not "
                                 "computed); drop one of them", "echo")
-        prompts = self._completion_prompts(req.prompt)
+        # In a thread: a 2 MB prompt takes ~1 s to encode, and the event loop serves others meanwhile.
+        prompts = await asyncio.to_thread(self._completion_prompts, req.prompt)
         job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion", req.provenance)
         # OpenAI's default of 16 new tokens, when the client sent none, is cut to the context left.
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
@@ -132,8 +142,13 @@ class OpenAIServing:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         messages = chat_messages(req)
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            # Rendered in the worker process and encoded in a thread, so the event loop serves
+            # others meanwhile (a 2 MB conversation takes ~1 s to encode).
+            text, ids = await asyncio.to_thread(
+                self.tokenizer.chat_prompt, messages, add_generation_prompt=True,
+                plain_content=not self.config.special_tokens_in_content, renderer=self.chat_renderer.render)
+        except TemplateBoundsError as e:  # the model's template, not the messages, is at fault
+            raise APIError(500, str(e), "messages", "chat_template_error") from e
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
         job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk", req.provenance)

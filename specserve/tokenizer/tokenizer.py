@@ -3,24 +3,34 @@
 One class over a HF `tokenizers.Tokenizer`, loaded either from a HF folder (tokenizer.json) or from
 a GGUF file's metadata. BOS handling is done here rather than by the backend's post-processor,
 so that both sources follow one rule: BOS is prepended exactly when `add_bos and add_special_tokens`.
+
+Chat prompts can keep message content from forging turns (`plain_content`): a message holding the
+text of a control token such as `<|im_end|>` would otherwise be encoded as that control token, as
+`transformers` and vLLM do, letting a user close their turn and open a system one.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 from tokenizers import Tokenizer as HFTokenizer
 
-from specserve.errors import ModelLoadError
-from specserve.tokenizer.chat import CHATML_TEMPLATE, ChatTemplate
+from specserve.errors import ModelLoadError, PromptError
+from specserve.tokenizer.chat import CHATML_TEMPLATE, ChatTemplate, validate_messages
 from specserve.tokenizer.gguf_vocab import read_gguf_tokenizer
 
 # The special-token names transformers hands to chat templates as variables.
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+# Renders a chat template: ChatTemplate.render in this process, or the server's worker process
+# (render_worker.RenderWorker.render), which adds a time limit.
+Renderer = Callable[[ChatTemplate, list[dict], bool], str]
 
 
 @dataclass(frozen=True)
@@ -35,10 +45,19 @@ class Tokenizer:
     # bos_token/eos_token/unk_token/pad_token text, passed to the chat template as variables
     special_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     _chat: ChatTemplate = field(init=False, repr=False, compare=False)
+    # The text of every special (control) token, and a copy of the backend that encodes that text
+    # as plain text: a copy, since the flag is the backend's state and encodes run in threads.
+    _control_texts: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _plain_backend: HFTokenizer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Compiled once at load, so a broken template is a load error rather than a per-request one.
         object.__setattr__(self, "_chat", ChatTemplate(self.chat_template or CHATML_TEMPLATE, self.special_tokens))
+        added = self.backend.get_added_tokens_decoder().values()
+        object.__setattr__(self, "_control_texts", tuple(t.content for t in added if t.special))
+        plain = HFTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        object.__setattr__(self, "_plain_backend", plain)
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -109,7 +128,9 @@ class Tokenizer:
     # ---- text <-> ids ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch, not encode: it releases the GIL (the server encodes in a thread while its
+        # event loop serves others; a 2 MB prompt takes ~1 s) and gives the same ids.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
@@ -122,15 +143,66 @@ class Tokenizer:
 
     # ---- chat -----------------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            renderer: Renderer = ChatTemplate.render) -> str:
         """Render OpenAI-style messages with the model's template (ChatML if it has none)."""
-        return self._chat.render(messages, add_generation_prompt)
+        return renderer(self._chat, validate_messages(messages), add_generation_prompt)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, plain_content: bool = False,
+                    renderer: Renderer = ChatTemplate.render) -> list[int]:
+        return self.chat_prompt(messages, add_generation_prompt, plain_content=plain_content, renderer=renderer)[1]
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, *, plain_content: bool = False,
+                    renderer: Renderer = ChatTemplate.render) -> tuple[str, list[int]]:
+        """The rendered chat prompt and its token ids.
+
+        plain_content: control-token text inside message content is encoded as plain text, so
+        only the template's own markers become control tokens (off: as transformers does).
+        """
+        messages = validate_messages(messages)
+        text = renderer(self._chat, messages, add_generation_prompt)
         # Templates such as Llama 3's write the BOS text themselves; adding BOS again would double it.
         bos = self.special_tokens.get("bos_token")
-        return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+        add_bos = not (bos and text.startswith(bos))
+        forging = [i for i, m in enumerate(messages) if plain_content and self._has_control_text(m["content"])]
+        if not forging:
+            return text, self.encode(text, add_special_tokens=add_bos)
+        pieces = self._content_pieces(messages, forging, text, renderer, add_generation_prompt)
+        ids = [self.bos_token_id] if add_bos and self.add_bos and self.bos_token_id is not None else []
+        for k, piece in enumerate(pieces):  # even: the template's text; odd: a message's content
+            if piece:
+                ids += (self._plain_backend if k % 2 else self.backend).encode_batch([piece], add_special_tokens=False)[0].ids
+        return text, ids
+
+    def _has_control_text(self, content: str | None) -> bool:
+        return bool(content) and any(t in content for t in self._control_texts)
+
+    def _content_pieces(self, messages: list[dict], forging: list[int], text: str, renderer: Renderer,
+                        add_generation_prompt: bool) -> list[str]:
+        """`text` cut into template text and the content of the messages in `forging`, alternately.
+
+        The template renders again with those contents between markers it cannot produce (a
+        random nonce in private-use characters). Whitespace at a content's ends stays outside the
+        markers, so a template that trims content renders the same text. A template that changes
+        content in other ways (slices it, upper-cases it) renders something else: then the
+        content's place is unknown and the request is refused rather than encoded unsafely.
+        Cutting the text changes only where a piece ends: the ids decode to the same text.
+        """
+        nonce = secrets.token_hex(8)
+        opening, closing = f"\ue000{nonce}\ue001", f"\ue002{nonce}\ue003"
+        marked = [dict(m) for m in messages]
+        for i in forging:
+            content = messages[i]["content"]
+            core = content.strip()
+            start = len(content) - len(content.lstrip())
+            marked[i]["content"] = content[:start] + opening + core + closing + content[start + len(core):]
+        pieces = re.split(f"{re.escape(opening)}(.*?){re.escape(closing)}", renderer(self._chat, marked, add_generation_prompt),
+                          flags=re.DOTALL)
+        if "".join(pieces) != text:
+            raise PromptError(f"messages[{forging[0]}].content holds control-token text, and the model's chat "
+                              "template changes message content, so it cannot be encoded as plain text; "
+                              "remove the control-token text")
+        return pieces
 
 
 def _read_json(path: Path) -> dict:
