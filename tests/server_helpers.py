@@ -19,9 +19,10 @@ class RunningServer:
     """`with RunningServer(llm, ...) as s:` serves `llm`'s engine at `s.url` until the block ends."""
 
     def __init__(self, llm: LLM, name: str = "tiny", api_key: str | None = None, max_waiting: int | None = None,
-                 max_body_bytes: int = 2 << 20, body_timeout_s: float = 10.0, ui: bool = True):
+                 max_body_bytes: int = 2 << 20, body_timeout_s: float = 10.0, ui: bool = True, **config):
         self.config = ServerConfig(served_model_names=(name,), max_model_len=llm.engine_config.max_model_len,
-                                   api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, ui=ui)
+                                   api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, ui=ui,
+                                   **config)
         self.app, self.engine = build_app_for(llm, self.config, max_waiting)
         self._sock = _bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
