@@ -32,6 +32,7 @@ from specserve.tokenizer.chat import ChatTemplate, RenderBounds, TemplateBoundsE
 
 _HEADER = struct.Struct(">I")  # the byte length of the JSON frame that follows
 _CACHED_TEMPLATES = 8  # compiled templates the child keeps (a server has one)
+_START_TIMEOUT_S = 60.0
 
 _BOOT = """
 import sys, types
@@ -96,8 +97,18 @@ class RenderWorker:
     def _ensure_running(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             root = str(Path(__file__).resolve().parents[1])
+            # close_fds: the child must not hold the server's listening socket open.
             self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, root, json.dumps(asdict(self.bounds))],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+            # The child says when it is ready (an empty frame), so its start-up (~50 ms, more on
+            # a loaded machine) never counts against a render's time limit.
+            try:
+                _read(self._proc.stdout.fileno(), _HEADER.size, time.monotonic() + _START_TIMEOUT_S)
+            except (TimeoutError, EOFError):
+                self._proc.kill()
+                self._proc.wait()
+                raise TemplateBoundsError(f"the chat template render process did not start within "
+                                          f"{_START_TIMEOUT_S:g} s") from None
         return self._proc
 
     def _restart(self) -> None:
@@ -146,6 +157,8 @@ def serve(bounds_json: str) -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but frames goes to the parent
     templates: dict[tuple, ChatTemplate] = {}
+    stdout.write(_HEADER.pack(0))  # ready
+    stdout.flush()
     while True:
         header = stdin.read(_HEADER.size)
         if len(header) < _HEADER.size:
