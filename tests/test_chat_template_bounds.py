@@ -64,7 +64,8 @@ def test_hostile_template_gets_clear_error(worker, where, name):
 def test_worker_stops_endless_loop_and_renders_on(worker):
     with pytest.raises(TemplateBoundsError, match="exceeded its 1 s render limit"):
         worker.render(ChatTemplate(LOOP, {}), HI)
-    assert worker.render(ChatTemplate(CHATML_TEMPLATE, {}), HI) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    chatml = ChatTemplate(CHATML_TEMPLATE, {})
+    assert worker.render(chatml, HI) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_worker_memory_cap(worker):
@@ -87,7 +88,8 @@ def test_worker_renders_like_in_process(worker):
 
 
 def test_worker_child_imports_no_torch():
-    boot = render_worker._BOOT + "\nprint(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')), file=sys.__stdout__)"
+    heavy = "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy'))"
+    boot = f"{render_worker._BOOT}\nprint({heavy}, file=sys.__stdout__)"
     root = str(render_worker.Path(render_worker.__file__).resolve().parents[1])
     out = subprocess.run([sys.executable, "-c", boot, root, json.dumps(dataclasses.asdict(RenderBounds()))],
                          stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True)

@@ -1,12 +1,13 @@
 """Chat template rendering, the way `transformers` does it.
 
 A chat template is Jinja code shipped with the model, so it is untrusted: it runs in jinja2's
-immutable sandbox, with bounds (RenderBounds) on the values it builds and the text it renders, and
-RecursionError/MemoryError turned into a TemplateBoundsError naming the template. The sandbox cannot
-bound time (an empty nested `for` loop calls no sandbox hook): the server renders in a worker
-process it can kill (render_worker.py). The environment mirrors `transformers.apply_chat_template` (trim_blocks,
-lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that does not escape
-HTML) so that a prompt renders to the same text, and so the same token ids, as upstream.
+immutable sandbox, with bounds (RenderBounds) on the values it builds with `*` and `**` and on the
+text it renders, and RecursionError/MemoryError turned into a TemplateBoundsError naming the
+template. The sandbox cannot bound time (an empty nested `for` loop calls no sandbox hook): the
+server renders in a worker process it can kill (render_worker.py). The environment mirrors
+`transformers.apply_chat_template` (trim_blocks, lstrip_blocks, loop controls, `raise_exception`,
+`strftime_now`, a `tojson` that does not escape HTML) so that a prompt renders to the same text,
+and so the same token ids, as upstream.
 """
 
 from __future__ import annotations
@@ -74,24 +75,21 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         self.max_size = max_size
 
     def call_binop(self, context, operator: str, left, right):
-        if operator == "**":
-            if _is_int(left) and _is_int(right) and right > 0 and right * max(abs(left).bit_length() - 1, 0) > MAX_INT_BITS:
+        ints = isinstance(left, int) and isinstance(right, int)
+        if operator == "**" and ints and right > 0 and abs(left) > 1:
+            if right * abs(left).bit_length() > MAX_INT_BITS:
                 raise TemplateBoundsError(f"the model's chat template computes {left} ** {right}, a number beyond "
                                           f"the {MAX_INT_BITS}-bit limit of a chat template render")
-        elif _is_int(left) and _is_int(right):
+        elif operator == "*" and ints:
             if abs(left).bit_length() + abs(right).bit_length() > MAX_INT_BITS:
                 raise TemplateBoundsError("the model's chat template multiplies numbers beyond the "
                                           f"{MAX_INT_BITS}-bit limit of a chat template render")
-        else:
-            seq, times = (left, right) if _is_int(right) else (right, left)
-            if _is_int(times) and isinstance(seq, (str, list, tuple)) and len(seq) * times > self.max_size:
+        elif operator == "*":
+            seq, times = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(times, int) and isinstance(seq, (str, list, tuple)) and len(seq) * times > self.max_size:
                 raise TemplateBoundsError(f"the model's chat template builds a value of {len(seq) * times} items "
                                           f"with `*`, beyond the {self.max_size} limit of a chat template render")
         return super().call_binop(context, operator, left, right)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int)
 
 
 def _raise_exception(message: str) -> None:

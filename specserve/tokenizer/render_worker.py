@@ -163,7 +163,8 @@ def serve(bounds_json: str) -> None:
         header = stdin.read(_HEADER.size)
         if len(header) < _HEADER.size:
             return
-        reply = json.dumps(_reply(templates, bounds, stdin.read(_HEADER.unpack(header)[0])), ensure_ascii=False).encode()
+        frame = stdin.read(_HEADER.unpack(header)[0])
+        reply = json.dumps(_reply(templates, bounds, frame), ensure_ascii=False).encode()
         stdout.write(_HEADER.pack(len(reply)) + reply)
         stdout.flush()
 

@@ -170,8 +170,9 @@ class Tokenizer:
         pieces = self._content_pieces(messages, forging, text, renderer, add_generation_prompt)
         ids = [self.bos_token_id] if add_bos and self.add_bos and self.bos_token_id is not None else []
         for k, piece in enumerate(pieces):  # even: the template's text; odd: a message's content
+            backend = self._plain_backend if k % 2 else self.backend
             if piece:
-                ids += (self._plain_backend if k % 2 else self.backend).encode_batch([piece], add_special_tokens=False)[0].ids
+                ids += backend.encode_batch([piece], add_special_tokens=False)[0].ids
         return text, ids
 
     def _has_control_text(self, content: str | None) -> bool:
@@ -196,8 +197,8 @@ class Tokenizer:
             core = content.strip()
             start = len(content) - len(content.lstrip())
             marked[i]["content"] = content[:start] + opening + core + closing + content[start + len(core):]
-        pieces = re.split(f"{re.escape(opening)}(.*?){re.escape(closing)}", renderer(self._chat, marked, add_generation_prompt),
-                          flags=re.DOTALL)
+        marked_text = renderer(self._chat, marked, add_generation_prompt)
+        pieces = re.split(f"{re.escape(opening)}(.*?){re.escape(closing)}", marked_text, flags=re.DOTALL)
         if "".join(pieces) != text:
             raise PromptError(f"messages[{forging[0]}].content holds control-token text, and the model's chat "
                               "template changes message content, so it cannot be encoded as plain text; "
