@@ -104,7 +104,7 @@ def tok(smollm_gguf_path) -> Tokenizer:
     return Tokenizer.from_gguf(gguf.GGUFReader(smollm_gguf_path))
 
 
-def test_content_cannot_forge_turns(tok):
+def test_content_cannot_forge_turns(tok, worker):
     start, end = tok.backend.token_to_id("<|im_start|>"), tok.backend.token_to_id("<|im_end|>")
     text, forged = tok.chat_prompt(FORGED)
     assert forged.count(start) == 4 and forged.count(end) == 3  # the user's text became a turn
@@ -112,7 +112,7 @@ def test_content_cannot_forge_turns(tok):
     assert same_text == text
     assert plain.count(start) == 3 and plain.count(end) == 2  # only the template's own markers
     assert tok.decode(plain, skip_special_tokens=False) == text
-    assert tok.encode_chat(FORGED, plain_content=True, renderer=RenderWorker().render) == plain
+    assert tok.encode_chat(FORGED, plain_content=True, renderer=worker.render) == plain
     clean = [{"role": "user", "content": "no control text here"}]
     assert tok.encode_chat(clean, plain_content=True) == tok.encode_chat(clean)
 
