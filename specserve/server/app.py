@@ -30,9 +30,10 @@ _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in
     (400, "invalid request: the message names the parameter and what is allowed"),
     (401, "missing or wrong API key"), (404, "unknown model"),
     (421, "the Host header is not a name of this server (see --allowed-host)"),
-    (408, "the request body did not arrive within --body-timeout seconds"), (413, "request body too large"),
+    (408, "the request headers or body did not arrive within --header-timeout or --body-timeout seconds"),
+    (413, "request body too large"),
     (500, "generating this request failed (a bug in specserve); the server goes on serving others"),
-    (503, "the waiting queue is full, or the server is shutting down")]}
+    (503, "the waiting queue is full, the server holds --max-connections connections, or it is shutting down")]}
 # With "stream": true the answer is server-sent events (the schema describes one event): each
 # one's data a chunk as JSON, or an error object if generation failed after the stream began,
 # and the last one's `[DONE]`.
