@@ -13,6 +13,12 @@ Two checks, one verdict:
 
 The first token of a request comes from its prompt's pass, before any draft, so the tuple spans
 at least 3 tokens by default: the later ones are drafted and verified.
+
+Memory stays flat in --samples: the samples run in rounds of SAMPLE_ROUND requests, only their
+tuple counts kept, and each engine's KV pool is sized for what verify asks of it (a context of
+the longest prompt plus the tokens generated, SAMPLE_BATCH requests at a time, at most
+KV_POOL_BYTES) instead of the serving default (max_num_seqs requests at a full context, up to
+half the machine's memory: two such pools once took 18 GB).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 
 from specserve import engine_args
 from specserve.errors import InvalidParameterError
+from specserve.outputs import SpecStats
 
 BUILT_IN_PROMPTS = (
     "Repeat this list twice: red, green, blue, yellow.",
@@ -36,6 +43,10 @@ BUILT_IN_PROMPTS = (
 )
 VERIFY_K = 4  # drafts per step when --num-speculative-tokens is not given
 MIN_EXPECTED = 5.0  # Pearson's rule of thumb: cells expected fewer times are pooled
+SAMPLE_BATCH = 64  # sampled requests an engine runs at once (they share the prompt's cached blocks)
+SAMPLE_ROUND = 8 * SAMPLE_BATCH  # requests submitted per generate call; only their counts are kept
+KV_POOL_BYTES = 256 << 20  # each engine's KV pool at most (fewer requests run at once if it is short)
+BLOCK_SIZE = 16
 
 
 def add_verify_parser(sub) -> None:
@@ -128,6 +139,39 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidParameterError("alpha", args.alpha, "must be in (0, 1)")
 
 
+def pool_size(loaded, prompt_lens: list[int], args: argparse.Namespace) -> dict[str, int]:
+    """LLM arguments sizing the KV pool for what verify runs at once, SAMPLE_BATCH requests:
+    greedy ones of --max-tokens or sampled ones of --sample-tokens, within KV_POOL_BYTES but
+    holding at least one request at the whole context."""
+    from specserve.model.paged_attention import PagedKVCache
+
+    cfg = loaded.config
+    longest = max(prompt_lens)
+    context = args.max_model_len or min(cfg.max_position_embeddings, longest + max(args.max_tokens, args.sample_tokens))
+
+    def blocks(tokens: int) -> int:
+        return -(-min(tokens, context) // BLOCK_SIZE)
+
+    need = max(min(len(prompt_lens), SAMPLE_BATCH) * blocks(longest + args.max_tokens),
+               SAMPLE_BATCH * blocks(longest + args.sample_tokens))
+    block_bytes = PagedKVCache.bytes_per_block(cfg.num_layers, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim,
+                                               loaded.model.kv_dtype)
+    return {"max_model_len": context, "num_kv_blocks": max(blocks(context), min(need, KV_POOL_BYTES // block_bytes))}
+
+
+def sample_tuples(llm, ids: list[int], params, first_seed: int, n: int) -> tuple[Counter, SpecStats]:
+    """The first tokens of n seeded samples of one prompt, counted, and their speculation
+    figures; in rounds, so that only the counts of earlier rounds are held."""
+    counts, stats = Counter(), SpecStats()
+    for start in range(0, n, SAMPLE_ROUND):
+        seeds = range(first_seed + start, first_seed + min(n, start + SAMPLE_ROUND))
+        outs = llm.generate([ids] * len(seeds), [replace(params, seed=s) for s in seeds], use_tqdm=False)
+        for o in outs:
+            counts[tuple(o.outputs[0].token_ids)] += 1
+            stats.merge(o.spec)
+    return counts, stats
+
+
 def run_verify(args: argparse.Namespace) -> int:
     from specserve.llm import LLM
     from specserve.model.loader import load_model
@@ -144,10 +188,9 @@ def run_verify(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     # An instruct model is asked through its own chat template; a model without one, raw text.
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) if tok.chat_template else tok.encode(t) for t in texts]
-    size = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    batch = min(256, max(len(prompts), args.samples))
-    plain = LLM(loaded=loaded, max_num_seqs=batch, **size)
-    fast = LLM(loaded=loaded, max_num_seqs=batch, speculative_config=spec, **size)
+    size = pool_size(loaded, [len(p) for p in prompts], args)
+    plain = LLM(loaded=loaded, max_num_seqs=SAMPLE_BATCH, block_size=BLOCK_SIZE, **size)
+    fast = LLM(loaded=loaded, max_num_seqs=SAMPLE_BATCH, block_size=BLOCK_SIZE, speculative_config=spec, **size)
     print(f"verify: {loaded.name} ({loaded.kernels}), speculative_config {spec}, {len(prompts)} prompts")
 
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -170,13 +213,10 @@ def run_verify(args: argparse.Namespace) -> int:
                                 max_tokens=args.sample_tokens, ignore_eos=True)
         n = args.samples
         for i, ids in enumerate(prompts):
-            runs = []
-            for llm, first_seed in ((plain, 0), (fast, n)):  # independent draws each way
-                outs = llm.generate([ids] * n, [replace(params, seed=first_seed + s) for s in range(n)], use_tqdm=False)
-                runs.append(outs)
-            a, b = (Counter(tuple(o.outputs[0].token_ids) for o in outs) for outs in runs)
+            a, _ = sample_tuples(plain, ids, params, 0, n)  # independent draws each way
+            b, stats = sample_tuples(fast, ids, params, n, n)
             p, tvd, cells = homogeneity(a, b)
-            checks.append(SampledCheck(i, p, tvd, cells, LLM.aggregate_spec_stats(runs[1]).acceptance_rate))
+            checks.append(SampledCheck(i, p, tvd, cells, stats.acceptance_rate))
             c = checks[-1]
             print(f"  sampled prompt {i}: p-value {c.pvalue:.4f}, total variation {c.tvd:.4f} over {c.cells} cells "
                   f"({n} samples each way, acceptance {c.acceptance_rate:.2f})")

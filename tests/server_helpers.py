@@ -11,22 +11,27 @@ import httpx
 import uvicorn
 
 from specserve.llm import LLM
-from specserve.server.launcher import _bind, build_app_for
+from specserve.server.connections import connection_protocol
+from specserve.server.launcher import _bind, allowed_hosts, build_app_for
 from specserve.server.serving import ServerConfig
 
 
 class RunningServer:
-    """`with RunningServer(llm, ...) as s:` serves `llm`'s engine at `s.url` until the block ends."""
+    """`with RunningServer(llm, ...) as s:` serves `llm`'s engine at `s.url` until the block ends,
+    on loopback with the connections, Host check and limits `specserve serve` has there
+    (`allowed_host`: its --allowed-host; `**limits`: other ServerConfig fields)."""
 
     def __init__(self, llm: LLM, name: str = "tiny", api_key: str | None = None, max_waiting: int | None = None,
-                 max_body_bytes: int = 2 << 20, body_timeout_s: float = 10.0, ui: bool = True, **config):
+                 max_body_bytes: int = 2 << 20, body_timeout_s: float = 10.0, ui: bool = True,
+                 allowed_host: list[str] | None = None, **limits):
         self.config = ServerConfig(served_model_names=(name,), max_model_len=llm.engine_config.max_model_len,
                                    api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s, ui=ui,
-                                   **config)
+                                   allowed_hosts=allowed_hosts("127.0.0.1", allowed_host), **limits)
         self.app, self.engine = build_app_for(llm, self.config, max_waiting)
         self._sock = _bind("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on",
+        http = connection_protocol(self.config.header_timeout_s, self.config.max_connections)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on", http=http,
                                                     timeout_graceful_shutdown=5))
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
@@ -105,6 +110,6 @@ def raw_post(server: RunningServer, path: str, body: bytes) -> socket.socket:
     """A connection that sent one POST and reads nothing: closing it is the client going away."""
     host, port = server.url.removeprefix("http://").split(":")
     conn = socket.create_connection((host, int(port)), timeout=30)
-    conn.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    conn.sendall(b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                  % (path.encode(), len(body), body))
     return conn

@@ -42,6 +42,9 @@ def test_the_page_and_its_files_are_served(llm):
     assert js.status_code == 200 and "javascript" in js.headers["content-type"]
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     assert js.text == (STATIC_DIR / "playground.js").read_text()
+    for r in (page, js, css, client.get("/static/index.html")):  # a file opened directly is a page too
+        assert r.headers["content-security-policy"] == page.headers["content-security-policy"]
+        assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
     assert client.get("/static/nothing.js").status_code == 404
 
 

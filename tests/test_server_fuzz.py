@@ -3,10 +3,11 @@ schema-violating requests (bounded in examples and time) and runs every check it
 answer: no 5xx, status codes, content types, headers and bodies as documented (stream events
 included), schema-violating requests refused, schema-valid ones accepted.
 
-One bound is not the schema's to state: a prompt, and a prompt plus max_tokens, must fit the
-context, counted in tokens (0 tokens is an empty prompt). Schema-valid requests that break it
-are answered 400 (context_length_exceeded, or an empty prompt), tested in test_server_errors;
-the schema-valid requests here are drawn within it."""
+Two bounds are not the schema's to state: a prompt, and a prompt plus max_tokens, must fit the
+context, counted in tokens (0 tokens is an empty prompt); and prompts x n may not pass
+--max-request-choices. Schema-valid requests that break them are answered 400
+(context_length_exceeded, or an empty prompt, tested in test_server_errors; the choices cap in
+test_server_hardening); the schema-valid requests here are drawn within them."""
 
 import httpx
 import pytest
@@ -49,19 +50,22 @@ def test_openapi_document_lists_the_api_with_the_models_bounds(server):
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
 
 
-def fits_context(llm, path: str, body) -> bool:
-    """Whether every prompt has 1 to MAX_MODEL_LEN - 1 tokens and room for the max_tokens the
-    client asked for."""
+def fits_context(server, path: str, body) -> bool:
+    """Whether every prompt has 1 to MAX_MODEL_LEN - 1 tokens and room for each max-token limit
+    the client sent, and the request asks for no more choices than the cap."""
+    llm = server.llm
     if path == "/v1/completions":
         req = CompletionRequest.model_validate(body)
         prompts = [req.prompt] if isinstance(req.prompt, str) or isinstance(req.prompt[0], int) else req.prompt
         lengths = [len(llm.tokenizer.encode(p)) if isinstance(p, str) else len(p) for p in prompts]
-        asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
+        asked = [req.max_tokens] if "max_tokens" in req.model_fields_set and req.max_tokens else []
     else:
         req = ChatCompletionRequest.model_validate(body)
         lengths = [len(llm.tokenizer.encode_chat(chat_messages(req), add_generation_prompt=True))]
-        asked = req.max_completion_tokens or req.max_tokens
-    return all(0 < n < MAX_MODEL_LEN and n + (asked or 0) <= MAX_MODEL_LEN for n in lengths)
+        asked = [m for m in (req.max_completion_tokens, req.max_tokens) if m is not None]
+    if len(lengths) * req.n > server.config.max_request_choices:
+        return False
+    return all(0 < n < MAX_MODEL_LEN and n + max(asked, default=0) <= MAX_MODEL_LEN for n in lengths)
 
 
 @pytest.mark.parametrize("label,mode", [(label, mode) for label in ["POST /v1/completions", "POST /v1/chat/completions"]
@@ -79,7 +83,7 @@ def test_fuzzed_requests_pass_every_check(server, label, mode):
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case):
         if mode is GenerationMode.POSITIVE and op.method == "post":
-            assume(fits_context(server.llm, op.path, case.body))
+            assume(fits_context(server, op.path, case.body))
         # A streamed answer is read to the end like any other; n and max_tokens are bounded by
         # the schema and the small context.
         response = case.call(base_url=server.url, timeout=60)

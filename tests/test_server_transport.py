@@ -45,7 +45,7 @@ def test_a_body_that_does_not_arrive_gets_408_and_the_connection_closes(tiny):
     with RunningServer(llm, body_timeout_s=0.5) as s:
         host, port = s.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "t')
             received = b""
             while chunk := conn.recv(65536):  # until the server closes the connection

@@ -95,3 +95,38 @@ def test_bad_arguments_are_refused_before_loading(extra, needle, capsys):
     assert main(["verify", "--speculative", "ngram", *extra]) == 2
     err = capsys.readouterr().err
     assert needle in err and "\n" not in err.strip()
+
+
+def test_verify_memory_does_not_grow_with_the_samples(models, capsys, monkeypatch):
+    """The default run (2,000 samples x 4 prompts x 2) once reached 18 GB: each engine's KV pool
+    was sized like a server's (up to half the machine's memory) and every sample's output was
+    held. Now the pools are the same size whatever --samples is, within verify.KV_POOL_BYTES,
+    and the Python heap's peak stays flat from 100 to 400 samples (rounds of 50 here)."""
+    import tracemalloc
+
+    import specserve.llm
+    import specserve.verify as verify
+
+    pools: list = []
+
+    class Recording(specserve.llm.LLM):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self.kv_budget.num_bytes)
+
+    monkeypatch.setattr(specserve.llm, "LLM", Recording)
+    monkeypatch.setattr(verify, "SAMPLE_ROUND", 50)
+    peaks, pools_by_run = [], []
+    for samples in (50, 100, 400):  # the first run warms the caches every run shares
+        args = [a if a != "3000" else str(samples) for a in models]
+        tracemalloc.start()
+        try:
+            assert main(args) == 0
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        pools_by_run.append(pools[:])
+        pools.clear()
+    assert "sampled: 2/2 prompts pass" in capsys.readouterr().out
+    assert pools_by_run[1] == pools_by_run[2] and all(b <= verify.KV_POOL_BYTES for b in pools_by_run[1])
+    assert peaks[2] < 1.25 * peaks[1], peaks

@@ -1,10 +1,11 @@
-"""The HTTP routes of the OpenAI-compatible server, its guard (API key, body size) and its error
-handlers. Translation to engine calls lives in serving.py; the bodies in protocol.py."""
+"""The HTTP routes of the OpenAI-compatible server, its guard (Host, API key, body size and
+time) and its error handlers. Translation to engine calls lives in serving.py; the bodies in protocol.py."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 from contextlib import asynccontextmanager
 
@@ -28,9 +29,11 @@ logger = logging.getLogger("specserve.server")
 _ERRORS = {code: {"model": ErrorResponse, "description": text} for code, text in [
     (400, "invalid request: the message names the parameter and what is allowed"),
     (401, "missing or wrong API key"), (404, "unknown model"),
-    (408, "the request body did not arrive within --body-timeout seconds"), (413, "request body too large"),
+    (421, "the Host header is not a name of this server (see --allowed-host)"),
+    (408, "the request headers or body did not arrive within --header-timeout or --body-timeout seconds"),
+    (413, "request body too large"),
     (500, "generating this request failed (a bug in specserve); the server goes on serving others"),
-    (503, "the waiting queue is full, or the server is shutting down")]}
+    (503, "the waiting queue is full, the server holds --max-connections connections, or it is shutting down")]}
 # With "stream": true the answer is server-sent events (the schema describes one event): each
 # one's data a chunk as JSON, or an error object if generation failed after the stream began,
 # and the last one's `[DONE]`.
@@ -58,10 +61,12 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
             engine.shutdown()
             serving.chat_renderer.close()
 
-    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan,
+    # No /docs or /redoc: FastAPI's pages load their scripts from a CDN. The document they
+    # would show is /openapi.json.
+    app = FastAPI(title="specserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="OpenAI-compatible API of a specserve engine (lossless speculative decoding)")
     app.add_middleware(Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       body_timeout_s=config.body_timeout_s)
+                       body_timeout_s=config.body_timeout_s, allowed_hosts=config.allowed_hosts)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -126,26 +131,67 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
     return app
 
 
+def is_local_name(host: str) -> bool:
+    """Whether a Host name (lowercase, without port) names this machine: localhost, 127.0.0.0/8, ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: bytes) -> str:
+    """A Host header's name, lowercase, without its port or brackets ("[::1]:8000" -> "::1")."""
+    host = value.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return (host.rsplit(":", 1)[0] if host.count(":") == 1 else host).rstrip(".")
+
+
 class Guard:
-    """ASGI middleware in front of every route: checks the API key of /v1 calls (a constant-time
-    comparison, so response timing does not leak the key) and reads request bodies up to
+    """ASGI middleware in front of every route: answers only Host names it allows (with
+    `allowed_hosts` set: local names and those; a DNS-rebinding page names its own domain),
+    checks the API key of /v1 calls (a constant-time comparison, so response timing does not
+    leak the key; the scheme "Bearer" in any case, as RFC 7235 has it), marks every response
+    `X-Content-Type-Options: nosniff`, and reads request bodies up to
     `max_body_bytes`, refusing larger ones with 413 before anything parses them, and bodies
     still incomplete after `body_timeout_s` with 408 (a client that declares more bytes than it
     sends would otherwise hold its connection and a handler for as long as it likes)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float):
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int, body_timeout_s: float,
+                 allowed_hosts: tuple[str, ...] | None = None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
+        self.allowed_hosts = allowed_hosts
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+
+        async def send_nosniff(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == b"x-content-type-options" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-content-type-options", b"nosniff")]}
+            await send(message)
+
+        return await self._guard(scope, receive, send_nosniff)
+
+    async def _guard(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+        if self.allowed_hosts is not None and "*" not in self.allowed_hosts:
+            # Every Host header must pass; none at all (HTTP/1.0) is no browser's request.
+            bad = [v for k, v in scope["headers"] if k.lower() == b"host"
+                   and not ((name := host_name(v)) in self.allowed_hosts or is_local_name(name))]
+            if bad:
+                return await self._wrong_host(scope, receive, send, bad[0])
         if self.api_key is not None and scope["path"].startswith("/v1"):
             given = headers.get("authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.api_key):
+            scheme, _, token = given.strip().partition(b" ")
+            if not (hmac.compare_digest(token.strip(), self.api_key) and scheme.lower() == b"bearer"):
                 what = "missing" if not given else "wrong"
                 resp = error_response(401, f"{what} API key: send the header 'Authorization: Bearer <key>' with "
                                            "the key the server was started with (--api-key)", code="invalid_api_key")
@@ -181,6 +227,14 @@ class Guard:
             return await receive()  # after the body: only the disconnect can come
 
         await self.app(scope, replay, send)
+
+    async def _wrong_host(self, scope: Scope, receive: Receive, send: Send, host: bytes) -> None:
+        others = f" and {', '.join(self.allowed_hosts)}" if self.allowed_hosts else ""
+        resp = error_response(421, f"the Host header {host.decode('latin-1')!r} is not a name of this server: it "
+                                   f"answers local names only (localhost, 127.0.0.0/8, [::1]){others}, so that a "
+                                   "page on another site cannot reach it through DNS rebinding; start the server "
+                                   "with --allowed-host NAME to answer another name", code="invalid_host")
+        await resp(scope, receive, send)
 
     async def _too_slow(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
         resp = error_response(408, f"the request body was not complete after {self.body_timeout_s:g} seconds "

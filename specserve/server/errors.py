@@ -13,7 +13,7 @@ from specserve.server.protocol import ErrorInfo, ErrorResponse
 
 # OpenAI's error "type" strings by status, so that clients raise their usual exception classes.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          405: "invalid_request_error", 421: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           499: "client_closed_request", 503: "service_unavailable_error", 500: "internal_error"}
 
 

@@ -10,12 +10,25 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.responses import Response
+from starlette.types import Scope
 
 STATIC_DIR = Path(__file__).parent / "static"
 
 # The page talks to its own server only; the policy makes the browser hold it to that.
 _POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
            "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+# On the page and each of its files (a file opened directly is a page too): no framing (the
+# header for browsers without frame-ancestors), no guessing of content types, no referrer.
+PAGE_HEADERS = {"Content-Security-Policy": _POLICY, "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+                "Referrer-Policy": "no-referrer"}
+
+
+class _PageFiles(StaticFiles):
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 def add_playground(app: FastAPI) -> None:
@@ -26,6 +39,6 @@ def add_playground(app: FastAPI) -> None:
     @app.get("/", include_in_schema=False)
     async def playground() -> FileResponse:
         return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8",
-                            headers={"Content-Security-Policy": _POLICY})
+                            headers=PAGE_HEADERS)
 
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.mount("/static", _PageFiles(directory=STATIC_DIR), name="static")

@@ -53,6 +53,13 @@ class ServerConfig:
     # control tokens, as transformers and vLLM do, for clients that are trusted to write them.
     special_tokens_in_content: bool = False
     chat_render: RenderBounds = RenderBounds()  # time, size and memory bounds of a chat template render
+    # Host header values answered (lowercase names; "*": any); None: no check. The launcher
+    # sets the local names when bound to loopback, where a DNS-rebinding page would otherwise
+    # reach the API as its own origin.
+    allowed_hosts: tuple[str, ...] | None = None
+    header_timeout_s: float = 10.0  # a connection must send complete request headers within this time (else 408)
+    max_connections: int = 1024  # open connections; more are answered 503 and closed
+    max_request_choices: int = 64  # engine requests one HTTP request may make (prompts x n)
 
 
 @dataclass(slots=True)
@@ -126,8 +133,8 @@ class OpenAIServing:
         job = Job(f"cmpl-{uuid.uuid4().hex}", model, prompts, "text_completion", req.provenance)
         # OpenAI's default of 16 new tokens, when the client sent none, is cut to the context left.
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
-        params = self._params(req, prompts, req.max_tokens, explicit_max=explicit,
-                              logprobs=req.logprobs, param_name="max_tokens")
+        params = self._params(req, prompts, {"max_tokens": req.max_tokens} if explicit else {}, req.max_tokens,
+                              logprobs=req.logprobs)
         self._submit(job, req, params)
         echo = [text if req.echo else "" for _, text in prompts]
         if req.stream:
@@ -152,10 +159,11 @@ class OpenAIServing:
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
         job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk", req.provenance)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = self._params(req, job.prompts, max_tokens, explicit_max=max_tokens is not None,
-                              logprobs=(req.top_logprobs or 0) if req.logprobs else None, param_name=name)
+        # max_completion_tokens wins over the deprecated max_tokens (as in OpenAI and vLLM); each
+        # one sent must still fit the context.
+        asked = {name: value for name, value in (("max_completion_tokens", req.max_completion_tokens),
+                                                 ("max_tokens", req.max_tokens)) if value is not None}
+        params = self._params(req, job.prompts, asked, None, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         self._submit(job, req, params)
         if req.stream:
             return self._stream(job, raw, lambda c, out, first: self.render.chat_chunk(job, c, out, first),
@@ -197,9 +205,17 @@ class OpenAIServing:
                 out.append((list(p), self.tokenizer.decode(p)))
         return out
 
-    def _params(self, req, prompts, max_tokens: int | None, explicit_max: bool, logprobs: int | None,
-                param_name: str) -> Callable[[int, int], SamplingParams]:
-        """Checks the request against the context and returns params for (prompt, choice)."""
+    def _params(self, req, prompts, asked: dict[str, int], default_max: int | None,
+                logprobs: int | None) -> Callable[[int, int], SamplingParams]:
+        """Checks the request against the context and the per-request cap, and returns params
+        for (prompt, choice). `asked`: the new-token limits the client sent, by field name (the
+        first one counts; each must fit); `default_max`: the limit when it sent none (None: the
+        rest of the context), cut to the context left."""
+        cap = self.config.max_request_choices
+        if len(prompts) * req.n > cap:
+            raise APIError(400, f"this request asks for {len(prompts)} prompt(s) x n={req.n} = {len(prompts) * req.n} "
+                                f"completions; one request may ask for at most {cap} (--max-request-choices), so "
+                                "that it cannot fill the server's queue alone; split it", "n")
         limit = self.config.max_model_len
         longest = max(len(ids) for ids, _ in prompts)
         prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -212,11 +228,13 @@ class OpenAIServing:
                 self.engine.check_prompt(ids)
             except PromptError as e:
                 raise APIError(400, str(e), prompt_param) from e
-        if explicit_max and longest + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but the request asks for "
-                                f"{longest} prompt tokens plus {max_tokens} new tokens ({param_name}); "
-                                f"{param_name} may be at most {limit - longest} for this prompt",
-                           param_name, "context_length_exceeded")
+        for name, value in asked.items():
+            if longest + value > limit:
+                raise APIError(400, f"this model's maximum context length is {limit} tokens, but the request asks "
+                                    f"for {longest} prompt tokens plus {value} new tokens ({name}); "
+                                    f"{name} may be at most {limit - longest} for this prompt",
+                               name, "context_length_exceeded")
+        max_tokens = next(iter(asked.values()), default_max)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if req.num_speculative_tokens and not self.engine.speculative:
             raise APIError(400, f"invalid num_speculative_tokens={req.num_speculative_tokens}: this server runs "
