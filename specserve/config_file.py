@@ -33,6 +33,8 @@ def load_config_file(path: str | os.PathLike | None) -> dict:
         raise InvalidParameterError("config", name, f"cannot read the file ({e.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InvalidParameterError("config", name, f"is not a JSON file ({e})") from None
+    except RecursionError:  # brackets nested deeper than the parser goes: no settings file looks so
+        raise InvalidParameterError("config", name, "nests too deeply; it must hold one flat JSON object of settings") from None
     if not isinstance(doc, dict):
         raise InvalidParameterError("config", name, 'must hold one JSON object such as {"max_num_seqs": 16}')
     unknown = sorted(set(doc) - set(CONFIG_FILE_KEYS))

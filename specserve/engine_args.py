@@ -172,7 +172,7 @@ def _skip_layers_arg(text: str) -> list[int]:
 def load_kwargs(args: argparse.Namespace, file: dict) -> dict:
     """load_model's keyword arguments."""
     return {"model": pick(args.model, file, "model", "default"), "dtype": args.dtype, "device": args.device,
-            "quantization": args.quantization}
+            "quantization": args.quantization, "max_model_len": getattr(args, "max_model_len", None)}
 
 
 def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:

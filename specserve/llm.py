@@ -15,15 +15,12 @@ from specserve.config_file import load_config_file, pick
 from specserve.engine.engine import LLMEngine
 from specserve.kv.budget import plan_kv_pool
 from specserve.errors import InvalidParameterError, PromptError
-from specserve.model.loader import LoadedModel, load_model
+from specserve.model.loader import DEFAULT_MAX_MODEL_LEN, LoadedModel, load_model
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
 from specserve.spec.factory import build_proposer
 
-# Without a limit, the KV cache is sized for the model's whole context; on a CPU a few
-# thousand tokens per request is what a user can wait for anyway.
-DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_MAX_NUM_SEQS = 4
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # speculative_config left out: the config file's, if any (None, given, means no speculation).
@@ -56,15 +53,19 @@ class LLM:
         max_num_batched_tokens = pick(max_num_batched_tokens, file, "max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         if loaded is None:
             loaded = load_model(pick(model, file, "model", "default"), dtype=dtype, device=device,
-                                quantization=quantization)
+                                quantization=quantization, max_model_len=max_model_len)
             if loaded.notice:  # (the command line prints it on its load line)
                 warnings.warn(loaded.notice, stacklevel=2)
         self.target = loaded
-        context = self.target.config.max_position_embeddings
+        # The positions the loaded model covers: its context, or less where load_model was
+        # given a smaller max_model_len (the default one included).
+        context = self.target.model.max_positions
         if max_model_len is None:
             max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
         if not 2 <= max_model_len <= context:
-            raise InvalidParameterError("max_model_len", max_model_len, f"must be in [2, {context}] (the model's context)")
+            raise InvalidParameterError("max_model_len", max_model_len,
+                                        f"must be in [2, {context}] (the positions the loaded model covers: its "
+                                        "context, or load_model's max_model_len where that is smaller)")
         self.engine_config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,

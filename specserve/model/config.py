@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.model.limits import HF_KEYS, FieldReader, check_rope_scaling, read_dimensions, read_rope_theta
 
 # Architectures whose weights map onto the project's Llama-family model unchanged
 # (Qwen2 differs only by the qkv bias, which the config turns on).
@@ -76,39 +77,54 @@ class ModelConfig:
         return self.num_layers * per_layer + embed + self.hidden_size
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: object, where: str = "config.json") -> "ModelConfig":
         """Build from a Hugging Face config.json (both the rope_theta/rope_scaling and the
-        newer rope_parameters spellings)."""
-        model_type = cfg.get("model_type", "")
+        newer rope_parameters spellings), every field checked (limits.py) before use."""
+        if not isinstance(cfg, dict):
+            raise ModelLoadError(f"{where} must hold one JSON object of the model's hyper-parameters, "
+                                 f"not a {type(cfg).__name__}")
+        r = FieldReader(where, cfg.get)
+        model_type = cfg.get("model_type") or ""
         archs = cfg.get("architectures") or []
+        if not isinstance(model_type, str):
+            r.fail("model_type", model_type, f"must be a string, one of {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            r.fail("architectures", archs, 'must be a list of class names such as ["LlamaForCausalLM"]')
         arch = model_type or (archs[0].lower().removesuffix("forcausallm") if archs else "")
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            rope_params = dict(cfg.get("rope_parameters") or {})
-            rope_scaling = cfg.get("rope_scaling") or None
-            theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-            if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-            return cls(
-                architecture=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                rope_scaling=dict(rope_scaling) if rope_scaling else None,
-                # Qwen2 always has a qkv bias and no config flag for it.
-                attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        if arch not in SUPPORTED_ARCHITECTURES:  # (before the sizes: a gpt2 config names other keys)
+            raise ModelLoadError(
+                f"unsupported model architecture {arch!r}; specserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelLoadError(f"config.json is missing or has an invalid field: {e}") from None
+        dims = read_dimensions(r, HF_KEYS, context_default=2048, eps_default=1e-6)
+        rope_params = cfg.get("rope_parameters") or {}
+        if not isinstance(rope_params, dict):
+            r.fail("rope_parameters", rope_params, "must be an object such as {\"rope_theta\": 10000.0}")
+        rope_scaling = cfg.get("rope_scaling") or None
+        key = "rope_scaling"
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+            key = "rope_parameters"
+        theta_key, raw_theta = (("rope_theta", cfg["rope_theta"]) if "rope_theta" in cfg
+                                else ("rope_parameters.rope_theta", rope_params.get("rope_theta")))
+        theta = read_rope_theta(FieldReader(where, {theta_key: raw_theta}.get), theta_key, 10000.0)
+        return cls(
+            architecture=arch,
+            **dims,
+            rope_theta=theta,
+            rope_scaling=check_rope_scaling(r, key, rope_scaling, dims["max_position_embeddings"]),
+            # Qwen2 always has a qkv bias and no config flag for it.
+            attention_bias=_flag(r, "attention_bias", arch == "qwen2"),
+            tie_word_embeddings=_flag(r, "tie_word_embeddings", False),
+        )
+
+
+def _flag(r: FieldReader, key: str, default: bool) -> bool:
+    value = r.lookup(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        r.fail(key, value, "must be true or false")
+    return value
 
 
 def check_layer_subset(keep: Sequence[int], num_layers: int) -> tuple[int, ...]:

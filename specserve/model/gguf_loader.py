@@ -13,9 +13,10 @@ from gguf.quants import dequantize
 
 from specserve.errors import ModelLoadError
 from specserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specserve.model.limits import FieldReader, gguf_keys, read_dimensions, read_rope_theta
 from specserve.model.llama import LlamaModel
 from specserve.model.native_llama import Blocks, Weight
-from specserve.model.weights import build_model
+from specserve.model.weights import build_model, expected_shapes
 
 # GGUF tensor names -> Hugging Face names ("{}" is the layer index).
 _LAYER_NAMES = {
@@ -44,7 +45,7 @@ def open_gguf(path: Path) -> GGUFReader:
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad files
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(f"{path} is not a readable GGUF file: truncated or corrupt ({type(e).__name__}: {e})") from None
 
 
 def field(reader: GGUFReader, key: str, default=None):
@@ -53,47 +54,77 @@ def field(reader: GGUFReader, key: str, default=None):
 
 
 def read_gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    """The model's hyper-parameters from the file's metadata, each checked (limits.py), and then
+    every tensor against them (check_gguf_tensors): nothing is allocated from a bad file."""
     arch = field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{path.name}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-
-    def need(key: str):
-        value = field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ModelLoadError(f"{path.name}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    tensor_names = {t.name for t in reader.tensors}
-    vocab = field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    r = FieldReader(path.name, lambda key: field(reader, key))
+    keys = gguf_keys(arch)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if r.lookup(keys.vocab_size) is None and tokens is None:
+        raise ModelLoadError(f"{path.name}: GGUF metadata has neither {keys.vocab_size} nor tokenizer.ggml.tokens")
+    vocab_default = len(tokens.data) if tokens is not None else None
+    dims = read_dimensions(r, keys, vocab_default=vocab_default)
+    value_length = r.lookup(f"{arch}.attention.value_length")
+    if value_length is not None and value_length != dims["head_dim"]:
+        r.fail(f"{arch}.attention.value_length", value_length, f"must equal {keys.head_dim}={dims['head_dim']}")
+    by_name = {t.name: t for t in reader.tensors}
     rope_scaling = None
     scaling_type = field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": r.number(f"{arch}.rope.scaling.factor", 0.0)}
     elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{path.name}: rope scaling type {scaling_type!r} is not supported; supported: linear")
-    if "rope_freqs.weight" in tensor_names:
-        factors = _dequantized(next(t for t in reader.tensors if t.name == "rope_freqs.weight"))
-        rope_scaling = {"rope_type": "default", "freq_factors": factors.reshape(-1).tolist()}
-    return ModelConfig(
+        r.fail(f"{arch}.rope.scaling.type", scaling_type, "supported: linear, none")
+    if "rope_freqs.weight" in by_name:
+        rope_scaling = {"rope_type": "default", "freq_factors": _freq_factors(by_name["rope_freqs.weight"], dims, path)}
+    cfg = ModelConfig(
         architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        max_position_embeddings=int(need("context_length")),
-        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        **dims,
+        rope_theta=read_rope_theta(r, f"{arch}.rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in by_name,
+        tie_word_embeddings="output.weight" not in by_name,
     )
+    check_gguf_tensors(reader, path, cfg)
+    return cfg
+
+
+def _freq_factors(tensor, dims: dict, path: Path) -> list[float]:
+    """rope_freqs.weight (Llama 3.1's scaled frequencies as divisors): [head_dim / 2] positive numbers."""
+    want = (dims["head_dim"] // 2,)
+    got = tuple(int(d) for d in tensor.shape)
+    if got != want:
+        raise ModelLoadError(f"{path.name}: tensor rope_freqs.weight has shape {got}, expected {want}")
+    factors = _dequantized(tensor).reshape(-1)
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ModelLoadError(f"{path.name}: tensor rope_freqs.weight must hold finite positive numbers")
+    return factors.tolist()
+
+
+def check_gguf_tensors(reader: GGUFReader, path: Path, cfg: ModelConfig) -> None:
+    """Every tensor the model needs is in the file with exactly its shape, and no other:
+    checked on the header alone, before any is read (the reader has already checked that each
+    one's data lies within the file)."""
+    expected = expected_shapes(cfg)
+    got: dict[str, tuple[int, ...]] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue
+        hf = _hf_name(t.name)
+        if hf is None or hf not in expected:
+            raise ModelLoadError(f"{path.name}: unexpected tensor {t.name!r} for a {cfg.architecture} model of "
+                                 f"{cfg.num_layers} layers ({cfg.architecture}.block_count)")
+        got[hf] = tuple(reversed([int(d) for d in t.shape]))
+        if got[hf] != expected[hf]:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} has shape {got[hf]}, expected {expected[hf]} "
+                                 "from the file's metadata")
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        raise ModelLoadError(f"{path.name}: tensors missing for a model of this metadata: "
+                             f"{', '.join(_gguf_name(n) for n in missing[:5])}" + (" ..." if len(missing) > 5 else ""))
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -114,6 +145,15 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     turns rotate-half RoPE into llama.cpp's interleaved-pair RoPE."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf: str) -> str:
+    """The GGUF name of a Hugging Face tensor name (for messages)."""
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf:
+            return gguf_name
+    layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+    return f"blk.{layer}." + next(g for g, h in _LAYER_NAMES.items() if h == rest)
 
 
 def _hf_name(name: str) -> str | None:
@@ -151,7 +191,7 @@ def gguf_weights(reader: GGUFReader, path: Path) -> dict[str, Weight]:
 
 
 def load_gguf_model(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: torch.dtype,
-                    device: torch.device | str) -> LlamaModel:
+                    device: torch.device | str, positions: int | None = None) -> LlamaModel:
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
 
     def named() -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,4 +208,4 @@ def load_gguf_model(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: tor
             # Memory-mapped F32 tensors come back read-only; torch wants its own writable copy.
             yield hf, torch.from_numpy(w if w.flags.writeable else w.copy())
 
-    return build_model(cfg, named(), len(tensors), dtype, device, desc=f"Loading {path.name}")
+    return build_model(cfg, named(), len(tensors), dtype, device, desc=f"Loading {path.name}", positions=positions)

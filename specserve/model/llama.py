@@ -43,12 +43,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Full-width tables [max_positions, head_dim] in float32, gathered by position: cos is
-    [cos, cos] and sin is [-sin, sin], so that rotate-half RoPE is x * cos + swap_halves(x) * sin."""
+    """Full-width tables [positions, head_dim] in float32, gathered by position: cos is
+    [cos, cos] and sin is [-sin, sin], so that rotate-half RoPE is x * cos + swap_halves(x) * sin.
 
-    def __init__(self, cfg: ModelConfig):
+    `positions`: how many the tables cover, the engine's max_model_len where the loader knows it
+    (None: the model's whole context). A file's context can be millions of tokens; the tables
+    of a request's context are what a pass reads."""
+
+    def __init__(self, cfg: ModelConfig, positions: int | None = None):
         super().__init__()
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float32), rope_inv_freq(cfg))
+        rows = cfg.max_position_embeddings if positions is None else min(positions, cfg.max_position_embeddings)
+        freqs = torch.outer(torch.arange(rows, dtype=torch.float32), rope_inv_freq(cfg))
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
@@ -122,13 +127,13 @@ class LlamaModel(nn.Module):
     forward_flat(flat, k, v) -> hidden [N, hidden] (a flattened pass, the native model's call);
     compute_logits(hidden [..., hidden]) -> float32 logits [..., vocab]."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, positions: int | None = None):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg)
+        self.rotary = RotaryEmbedding(cfg, positions)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -142,6 +147,11 @@ class LlamaModel(nn.Module):
     def kv_dtype(self) -> torch.dtype:
         """What the KV cache stores: the model's own dtype on the torch path."""
         return self.dtype
+
+    @property
+    def max_positions(self) -> int:
+        """Positions the RoPE tables cover: no request's context may be longer."""
+        return self.rotary.cos.shape[0]
 
     @property
     def device(self) -> torch.device:
@@ -193,6 +203,7 @@ class LlamaLayerView(nn.Module):
 
     dtype = LlamaModel.dtype
     kv_dtype = LlamaModel.kv_dtype
+    max_positions = LlamaModel.max_positions
     device = LlamaModel.device
     compute_logits = LlamaModel.compute_logits
 

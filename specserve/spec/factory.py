@@ -40,7 +40,9 @@ def build_proposer(spec: SpeculativeConfig | None, target: LoadedModel, engine: 
     # the target's dtype.
     if getattr(target.model, "native", False):
         mode = target.model.quantization
-        draft = load_model(spec.model, device=target.model.device, quantization="auto" if mode == "gguf" else mode)
+        draft = load_model(spec.model, device=target.model.device, quantization="auto" if mode == "gguf" else mode,
+                           max_model_len=engine.max_model_len)
     else:
-        draft = load_model(spec.model, dtype=target.model.dtype, device=target.model.device, quantization="none")
+        draft = load_model(spec.model, dtype=target.model.dtype, device=target.model.device, quantization="none",
+                           max_model_len=engine.max_model_len)
     return DraftModelProposer(draft, target, engine)
