@@ -43,10 +43,11 @@ def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int,
     return times
 
 
-def _load(model: str, path: str, device: str):
+def _load(model: str, path: str, device: str, max_len: int):
+    """The model on `path`, its position tables covering the longest context measured."""
     if path in ("gguf", "int8", "int4"):
-        return load_model(model, device=device, quantization=path)
-    return load_model(model, dtype=path, device=device, quantization="none")
+        return load_model(model, device=device, quantization=path, max_model_len=max_len)
+    return load_model(model, dtype=path, device=device, quantization="none", max_model_len=max_len)
 
 
 def main() -> None:
@@ -67,7 +68,7 @@ def main() -> None:
     head = f"{'path':<34}{'context':>8}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes)
     print(head + "".join(f"{f'T={t}/T=1':>9}" for t in args.sizes[1:]))
     for path in args.paths:
-        loaded = _load(args.model, path, args.device)
+        loaded = _load(args.model, path, args.device, max(args.contexts) + max(args.sizes))
         native = getattr(loaded.model, "native", False)
         for level in (levels if native else [None]):
             if native:
