@@ -2,11 +2,13 @@
 single and batched on the paged engine, with a near-perfect drafter (many accepted drafts), an
 untrained one (every draft rejected) and the embedded model; plus the drafter's files."""
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from specserve.errors import InvalidParameterError
+from specserve.errors import InvalidParameterError, ModelLoadError
 from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
@@ -124,6 +126,30 @@ def test_drafter_for_another_target_or_no_folder_is_refused(tiny, one_layer, tmp
         LLM(loaded=tiny["loaded"], speculative_config={"method": "eagle", "model": str(tmp_path / "none")})
     with pytest.raises(InvalidParameterError, match="needs the folder"):
         LLM(loaded=tiny["loaded"], speculative_config={"method": "eagle"})
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", 2**20), ("num_heads", 0), ("intermediate_size", 64.5),
+                                        ("rms_norm_eps", float("nan")), ("rope_theta", -1.0)])
+def test_crafted_drafter_layer_is_refused_before_allocating(tiny, tmp_path, key, value):
+    """A drafter's config.json is untrusted: its layer must have the target's shape, and its RoPE
+    tables follow the target's positions (not the layer's claimed context)."""
+    save_drafter(tmp_path / "d", new_drafter(tiny["loaded"], "eagle", torch.arange(64)))
+    path = tmp_path / "d" / "config.json"
+    raw = json.loads(path.read_text())
+    raw["layer"][key] = value
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=f"layer {key}="):
+        load_drafter(tmp_path / "d", tiny["loaded"], for_inference=False)
+
+
+def test_drafter_tables_follow_the_target_not_the_layer_context(tiny, tmp_path):
+    save_drafter(tmp_path / "d", new_drafter(tiny["loaded"], "eagle", torch.arange(64)))
+    path = tmp_path / "d" / "config.json"
+    raw = json.loads(path.read_text())
+    raw["layer"]["max_position_embeddings"] = 2**30
+    path.write_text(json.dumps(raw))
+    drafter = load_drafter(tmp_path / "d", tiny["loaded"], for_inference=False)
+    assert drafter.heads.rotary.cos.shape[0] == tiny["loaded"].model.max_positions
 
 
 def test_command_lines_name_the_drafter_and_its_tree():

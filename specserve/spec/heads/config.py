@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,12 @@ _PROBE_ROWS = 8
 # The norms agree to float rounding across dtypes and loaders (float32 vs bfloat16 weights,
 # a GGUF dequantized by either), and differ by far more between two trained models.
 _FINGERPRINT_RTOL = 2e-2
+
+
+# The fields of an EAGLE layer's config that size its tensors (the rest, e.g. its context, do not:
+# its RoPE tables follow the target's).
+_LAYER_SHAPE_KEYS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "rope_scaling", "attention_bias")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +105,24 @@ class DrafterConfig:
 
     def layer_config(self) -> ModelConfig:
         return ModelConfig(**self.layer)
+
+    def check_layer(self, target: ModelConfig, where: str) -> None:
+        """An EAGLE drafter's layer has the target's own layer shape (eagle_layer): a config.json
+        is untrusted, and its numbers size the layer built from it, so each must equal the
+        target's (already checked at load) before anything is allocated."""
+        if self.method != "eagle":
+            return
+        ours = self.layer if isinstance(self.layer, dict) else {}
+        theirs = DrafterConfig.eagle_layer(target)
+        bad = [k for k in _LAYER_SHAPE_KEYS if ours.get(k) != theirs[k] or type(ours.get(k)) is not type(theirs[k])]
+        if bad:
+            raise ModelLoadError(f"{where}: the EAGLE drafter's layer {bad[0]}={ours.get(bad[0])!r} differs from the "
+                                 f"target's {theirs[bad[0]]!r}; its layer must have the target's shape")
+        # Rounded differently by a GGUF and an HF folder of one model, so only checked for sense.
+        for key in ("rms_norm_eps", "rope_theta"):
+            value = ours.get(key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ModelLoadError(f"{where}: the EAGLE drafter's layer {key}={value!r} must be a finite number > 0")
 
     @staticmethod
     def eagle_layer(target: ModelConfig) -> dict:

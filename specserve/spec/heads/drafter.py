@@ -58,13 +58,14 @@ def new_drafter(target: LoadedModel, method: str, draft_ids: torch.Tensor, *, nu
                            draft_vocab_size=len(draft_ids), target=TargetIdentity.of(target), dtype=dtype,
                            num_heads=num_heads, layer=DrafterConfig.eagle_layer(tc) if method == "eagle" else None,
                            tree_choices=tree_choices)
-    return bind(config, new_heads(config), draft_ids, target)
+    return bind(config, new_heads(config, target), draft_ids, target)
 
 
-def new_heads(config: DrafterConfig) -> EagleHead | MedusaHeads:
+def new_heads(config: DrafterConfig, target: LoadedModel) -> EagleHead | MedusaHeads:
+    """The trainable heads of `config`; EAGLE's RoPE tables cover the positions the target's do."""
     if config.method == "medusa":
         return MedusaHeads(config.hidden_size, config.num_heads)
-    return EagleHead(config.layer_config())
+    return EagleHead(config.layer_config(), target.model.max_positions)
 
 
 def bind(config: DrafterConfig, heads: EagleHead | MedusaHeads, draft_ids: torch.Tensor,
@@ -106,6 +107,7 @@ def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool
                                     f"must be a folder with {WEIGHTS_FILE} and {CONFIG_FILE} made by `specserve train-draft`")
     config = DrafterConfig.read(folder)
     config.target.check(target, str(folder))
+    config.check_layer(target.config, str(folder))
     try:
         tensors = load_file(str(folder / WEIGHTS_FILE))
     except (SafetensorError, OSError) as e:
@@ -113,7 +115,7 @@ def load_drafter(folder: str | Path, target: LoadedModel, *, for_inference: bool
     draft_ids = tensors.pop(_VOCAB_KEY, None)
     if draft_ids is None:
         raise ModelLoadError(f"{folder / WEIGHTS_FILE} has no {_VOCAB_KEY} tensor")
-    heads = new_heads(config)
+    heads = new_heads(config, target)
     state = {k.removeprefix(_HEADS_PREFIX): v.float() for k, v in tensors.items()}
     try:
         heads.load_state_dict(state, strict=True)

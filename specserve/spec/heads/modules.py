@@ -64,12 +64,13 @@ class EagleHead(nn.Module):
     (an unrolled attention over a whole sequence) and drafting (a paged KV cache with tree masks).
     """
 
-    def __init__(self, layer_cfg: ModelConfig):
+    def __init__(self, layer_cfg: ModelConfig, positions: int | None = None):
+        """positions: how many the RoPE tables cover (the target's; None: the layer's context)."""
         super().__init__()
         h = layer_cfg.hidden_size
         self.fc = Linear(2 * h, h, bias=True)
         self.layer = DecoderLayer(layer_cfg, 0)
-        self.rotary = RotaryEmbedding(layer_cfg)
+        self.rotary = RotaryEmbedding(layer_cfg, positions)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 meta, cache) -> torch.Tensor:
