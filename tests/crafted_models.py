@@ -224,6 +224,8 @@ def write_corpus(root: Path) -> list[Case]:
     hf_case("hf_embed_too_few_rows", "model.embed_tokens.weight",
             edit=_reshape("model.embed_tokens.weight", (VOCAB // 2, HIDDEN)))
     hf_case("hf_missing_tensor", "model.layers.1.mlp.up_proj.weight", edit=_drop("model.layers.1.mlp.up_proj.weight"))
+    hf_case("hf_tokenizer_config_nested", "tokenizer_config.json")
+    (root / "hf_tokenizer_config_nested" / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
 
     nested = root / "nested_config_file.json"
     nested.write_text('{"model": ' + "[" * 100_000 + "]" * 100_000 + "}")

@@ -214,6 +214,8 @@ def _read_json(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path} could not be read: {e}") from e
+    except RecursionError:  # a crafted file of a million brackets
+        raise ModelLoadError(f"{path} nests too deeply to be a tokenizer's JSON file") from None
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} should hold a JSON object, found {type(data).__name__}")
     return data
