@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.drafts.tree import DraftTree
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # sample/ imports the draft types at run time; this is the annotation only
+    from specserve.sample.noise import PositionNoise
 
 
 @dataclass(slots=True)
@@ -22,7 +26,9 @@ class SpecRequest:
     token_ids: Sequence[int]  # prompt + every committed output token; never uncommitted drafts
     num_speculative_tokens: int  # k for this request this step, >= 0 (may differ per request)
     sampling: SamplingParams  # the request's own parameters: a sampled draft processes q with them
-    generator: torch.Generator | None  # the request's seeded generator (sampled draft models use it)
+    # The request's counter-based noise (sample.noise.PositionNoise): a proposer that samples
+    # its draft for sequence position t races q against the noise the verifier uses at t.
+    noise: PositionNoise
     # Tree proposers: the most nodes a tree may have this step (the KV slots reserved for it,
     # >= num_speculative_tokens); None means num_speculative_tokens. Chain proposers ignore it.
     max_nodes: int | None = None
