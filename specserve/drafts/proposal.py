@@ -28,7 +28,8 @@ class SpecRequest:
     sampling: SamplingParams  # the request's own parameters: a sampled draft processes q with them
     # The request's counter-based noise (sample.noise.PositionNoise): a proposer that samples
     # its draft for sequence position t races q against the noise the verifier uses at t.
-    noise: PositionNoise
+    # None: the global RNG (callers without a request, such as tests; the engine always gives one).
+    noise: PositionNoise | None
     # Tree proposers: the most nodes a tree may have this step (the KV slots reserved for it,
     # >= num_speculative_tokens); None means num_speculative_tokens. Chain proposers ignore it.
     max_nodes: int | None = None
