@@ -53,9 +53,8 @@ class DraftProposal:
 
     draft_token_ids: torch.Tensor  # [B, k_max] int64, -1 past num_draft[b]
     num_draft: torch.Tensor  # [B] int64, 0..k of that request (0: nothing to propose, a plain step)
-    # [B, k_max, V] float32: the processed q a stochastic proposer sampled from (rows past
-    # num_draft are ignored). None for deterministic proposers, whose q is one-hot at the draft.
-    draft_probs: torch.Tensor | None
+    # No draft probabilities: a proposer that samples draws with the request's noise (see
+    # SpecRequest.noise), and the verifier accepts a draft iff it equals the target's own draw.
 
     @classmethod
     def from_lists(cls, drafts: list[list[int]], k_max: int, device: torch.device | str) -> DraftProposal:
@@ -70,7 +69,7 @@ class DraftProposal:
             if d:
                 ids[b, : len(d)] = torch.tensor(d, dtype=torch.long)
         # Built on the host and moved once: per-row copies into a device tensor would each sync.
-        return cls(ids.to(device), torch.tensor(lengths, dtype=torch.long, device=device), None)
+        return cls(ids.to(device), torch.tensor(lengths, dtype=torch.long, device=device))
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str) -> DraftProposal:
@@ -78,7 +77,6 @@ class DraftProposal:
         return cls(
             torch.empty(batch, 0, dtype=torch.long, device=device),
             torch.zeros(batch, dtype=torch.long, device=device),
-            None,
         )
 
     def scatter(self, rows: list[int], batch: int) -> DraftProposal:
@@ -90,18 +88,14 @@ class DraftProposal:
         ids[idx] = self.draft_token_ids
         num = torch.zeros(batch, dtype=torch.long, device=device)
         num[idx] = self.num_draft
-        probs = None
-        if self.draft_probs is not None:
-            probs = self.draft_probs.new_zeros((batch, *self.draft_probs.shape[1:]))
-            probs[idx] = self.draft_probs
-        return DraftProposal(ids, num, probs)
+        return DraftProposal(ids, num)
 
     def as_trees(self) -> DraftTreeProposal:
-        """Each row's chain as a one-path tree (draft probabilities kept)."""
+        """Each row's chain as a one-path tree."""
         n = self.num_draft.tolist()
         ids = self.draft_token_ids.tolist()
         return DraftTreeProposal([
-            DraftTree.chain(ids[b][: n[b]], None if self.draft_probs is None or not n[b] else self.draft_probs[b, : n[b]])
+            DraftTree.chain(ids[b][: n[b]])
             if n[b] else DraftTree.empty() for b in range(len(n))])
 
 

@@ -151,7 +151,7 @@ class DraftModelProposer(Proposer):
         num_draft = [0] * len(batch)
         for i in rows:
             num_draft[i] = batch[i].num_speculative_tokens
-        return DraftProposal(draft_token_ids=draft_ids, draft_probs=None,
+        return DraftProposal(draft_token_ids=draft_ids,
                              num_draft=torch.tensor(num_draft, dtype=torch.long, device=device))
 
 
