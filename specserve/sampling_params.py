@@ -16,18 +16,31 @@ MAX_LOGPROBS = 20
 MAX_TOP_K = 1 << 24
 # Stop strings and stop token ids per request (each is checked against every new token).
 MAX_STOP = 16
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one
+# overflows float32 to inf (1e-38 gave NaN probabilities and <|endoftext|> tokens), and long
+# before that the distribution is one-hot at the argmax anyway.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token.
 
-    temperature 0 means greedy decoding. top_k 0 (or -1, as in vLLM) disables top-k; top_p 1
+    temperature 0, or any temperature below MIN_SAMPLING_TEMPERATURE (1e-5), means greedy
+    decoding. top_k 0 (or -1, as in vLLM) disables top-k; top_p 1
     and min_p 0 disable nucleus and min-p filtering. The filters apply in the order
     temperature -> top_k -> top_p -> min_p, the same for plain sampling and for the speculative
     verifier, so speculation never changes the distribution being sampled. Every number has an
     upper bound, checked here: the engine turns these values into tensors and machine integers.
     The engine also checks stop_token_ids against the model's vocabulary when a request is added.
+
+    seed: the request's sampled tokens are a function of the seed and the target's distributions
+    alone: the token at sequence position t races the processed distribution against noise drawn
+    from (seed, t) (sample/noise.py), so the same seed gives the same text with or without
+    speculation, at any draft length and whatever else is batched. None: the engine draws a seed
+    for the request from its own RNG (seeded by the engine's `seed`). n choices of a server
+    request seeded s are seeded s + j for choice j (modulo 2**63), so choice j equals a single
+    request with seed s + j.
     """
 
     temperature: float = 1.0
@@ -58,7 +71,8 @@ class SamplingParams:
         it again when a request is added: the fields stay assignable after construction."""
         _check_number("temperature", self.temperature, float)
         if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidParameterError("temperature", self.temperature, "must be in [0, 100]; 0 means greedy")
+            raise InvalidParameterError("temperature", self.temperature,
+                                        f"must be in [0, 100]; 0 (or below {MIN_SAMPLING_TEMPERATURE}) means greedy")
         _check_number("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidParameterError("top_p", self.top_p, "must be in (0, 1]")
@@ -96,7 +110,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
 
 def _check_number(name: str, value: object, kind: type) -> None:

@@ -118,7 +118,8 @@ KINDS = ["propose", "sampling_tensors", "sample", "forward", "detokenize", "obse
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failure_in_any_phase_fails_that_request_alone(llm, alone, kind):
     """"sample" fails after the batch drew its random numbers: the seeded good request is
-    computed again from its rewound generator, so its sample is still the one it gets alone."""
+    computed again, and its noise depends only on (seed, position), so its sample is still the
+    one it gets alone."""
     outputs, bad, good = run(llm, setup=injected(kind))
     assert bad.finish_reason == "error" and f"injected {kind} failure" in bad.error
     assert outputs == alone and all(r.finish_reason == "length" for r in good)

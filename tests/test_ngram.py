@@ -71,7 +71,6 @@ def test_no_match_proposes_nothing():
     out = p.propose([req("r", [1, 2, 3, 4, 5, 1], 4)])  # (5, 1) never occurred before
     assert out.num_draft.tolist() == [0]
     assert out.draft_token_ids.shape == (1, 0)
-    assert out.draft_probs is None
 
 
 def test_suffix_itself_is_not_a_match():
@@ -222,12 +221,6 @@ def test_empty_and_scatter():
     full = part.scatter([0, 2], 4)
     assert full.num_draft.tolist() == [2, 0, 1, 0]
     assert full.draft_token_ids.tolist() == [[5, 6], [-1, -1], [7, -1], [-1, -1]]
-    assert full.draft_probs is None
-    probs = torch.rand(2, 2, 10)
-    stochastic = DraftProposal(part.draft_token_ids, part.num_draft, probs).scatter([1, 3], 4)
-    assert stochastic.draft_probs.shape == (4, 2, 10)
-    assert torch.equal(stochastic.draft_probs[[1, 3]], probs)
-    assert stochastic.draft_probs[[0, 2]].abs().sum() == 0
 
 
 # ---- parameters ------------------------------------------------------------------------------

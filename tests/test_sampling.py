@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from specserve.sample import SamplingTensors, make_generator, processed_probs, sample, verify
+from specserve.sample import PositionNoise, SamplingTensors, processed_probs, sample, verify
 from specserve.sampling_params import SamplingParams as SP
 
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -174,18 +174,25 @@ def test_bfloat16_logits_give_float32_probs():
     assert probs.dtype == torch.float32
 
 
-def test_make_generator():
-    assert make_generator(None, "cpu") is None
-    a, b = make_generator(7, "cpu"), make_generator(7, "cpu")
-    assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+def noise(seeds):
+    return [PositionNoise(s) for s in seeds]
+
+
+def test_position_noise_depends_on_seed_and_position_only():
+    a, b = PositionNoise(7), PositionNoise(7)
+    assert torch.equal(a.exponentials(5, 16, "cpu"), b.exponentials(5, 16, "cpu"))
+    assert not torch.equal(a.exponentials(5, 16, "cpu"), a.exponentials(6, 16, "cpu"))
+    assert not torch.equal(a.exponentials(5, 16, "cpu"), PositionNoise(8).exponentials(5, 16, "cpu"))
+    # The largest seeds and positions stay inside manual_seed's range.
+    assert PositionNoise(2**63 - 1).exponentials(2**40, 4, "cpu").min() > 0
 
 
 def test_greedy_sample_is_argmax():
     logits = torch.randn(5, 40)
     st = SamplingTensors.from_params([SP(temperature=0.0)] * 5, "cpu")
-    assert torch.equal(sample(logits, st, [None] * 5), logits.argmax(-1))
+    assert torch.equal(sample(logits, st, [None] * 5, [0] * 5), logits.argmax(-1))
     mixed = SamplingTensors.from_params([SP(temperature=0.0), SP(), SP(temperature=0.0), SP(), SP()], "cpu")
-    got = sample(logits, mixed, [make_generator(i, "cpu") for i in range(5)])
+    got = sample(logits, mixed, noise(range(5)), [3] * 5)
     assert got[0] == logits[0].argmax() and got[2] == logits[2].argmax()
 
 
@@ -194,8 +201,7 @@ def test_same_seed_same_tokens():
     st = SamplingTensors.from_params([SP(temperature=1.3, top_p=0.95)], "cpu")
 
     def run(seed):
-        g = make_generator(seed, "cpu")
-        return [int(sample(logits, st, [g])) for _ in range(50)]
+        return [int(sample(logits, st, noise([seed]), [t])) for t in range(50)]
 
     assert run(3) == run(3)
     assert run(3) != run(4)
@@ -208,21 +214,44 @@ def test_sampling_is_independent_of_the_rest_of_the_batch():
               SP(temperature=1.5), SP()]
     st = SamplingTensors.from_params(params, "cpu")
     seeded = [0, 2, 3, 4]
-    batched = sample(logits, st, [make_generator(10 + b, "cpu") if b in seeded else None for b in range(6)])
+    positions = [10, 11, 12, 13, 14, 15]
+    batched = sample(logits, st, [PositionNoise(10 + b) if b in seeded else None for b in range(6)], positions)
     for b in seeded + [1]:
-        alone = sample(logits[b : b + 1], st.select([b]), [make_generator(10 + b, "cpu")])
+        alone = sample(logits[b : b + 1], st.select([b]), noise([10 + b]), [positions[b]])
         assert int(alone) == int(batched[b])
 
 
-def test_sample_consumes_what_verify_with_no_draft_consumes():
+def test_sample_is_verify_with_no_draft():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 32, generator=gen)
     st = SamplingTensors.from_params([SP(), SP(temperature=0.0), SP(top_k=5), SP(top_p=0.7)], "cpu")
     for seed in range(20):
-        sampled = sample(logits, st, [make_generator(seed * 4 + b, "cpu") for b in range(4)])
-        out = verify(torch.empty(4, 0, dtype=torch.long), torch.zeros(4, dtype=torch.long), None,
-                     logits.unsqueeze(1), st, [make_generator(seed * 4 + b, "cpu") for b in range(4)])
+        sampled = sample(logits, st, noise(range(seed * 4, seed * 4 + 4)), [seed] * 4)
+        out = verify(torch.empty(4, 0, dtype=torch.long), torch.zeros(4, dtype=torch.long),
+                     logits.unsqueeze(1), st, noise(range(seed * 4, seed * 4 + 4)), [seed] * 4)
         assert torch.equal(out.output_token_ids[:, 0], sampled)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-20, 1e-6, 9.99e-6])
+def test_temperatures_below_the_floor_are_greedy(temperature):
+    """Regression (issue 28, M2): 1e-38 divided logits to inf in float32, NaN probabilities and
+    token 0s; 1e-37 already changed the answer. Below 1e-5 a request is greedy."""
+    assert SP(temperature=temperature).greedy
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 10
+    st = SamplingTensors.from_params([SP(temperature=temperature)] * 3, "cpu")
+    probs = processed_probs(logits, st)
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+    assert torch.equal(sample(logits, st, noise([1, 2, 3]), [0, 0, 0]), logits.argmax(-1))
+
+
+def test_temperature_just_above_the_floor_samples_without_nan():
+    assert not SP(temperature=1e-4).greedy
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 10
+    st = SamplingTensors.from_params([SP(temperature=1e-4)] * 3, "cpu")
+    probs = processed_probs(logits, st)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3))
+    got = sample(logits, st, noise([1, 2, 3]), [0, 0, 0])
+    assert all(probs[b, t] > 0 for b, t in enumerate(got.tolist()))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(temperature=0.6, top_k=4), dict(top_p=0.7, min_p=0.1)])
@@ -233,7 +262,7 @@ def test_sample_frequencies_match_processed_probs(kw):
     n = 60_000
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        tokens = sample(logits.expand(n, -1), st.select([0] * n), [None] * n)
+        tokens = sample(logits.expand(n, -1), st.select([0] * n), [None] * n, [0] * n)
     counts = torch.bincount(tokens, minlength=7).double()
     assert counts[probs == 0].sum() == 0
     used = probs > 0

@@ -178,7 +178,10 @@ def test_speculative_sampling_has_the_target_distribution(micro, params):
     llm = LLM(loaded=loaded, max_num_seqs=512,
               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
     outs, pvalue = sample_first_tokens(llm, [3, 5, 2], params)
-    assert 0.2 < LLM.aggregate_spec_stats(outs).acceptance_rate < 0.95  # an imperfect draft
+    # An imperfect draft: some drafts accepted, some not. (The draft is drawn with the target's
+    # noise, a Gumbel-max coupling, which accepts a little less than min(1, p/q) would: 0.17-0.27
+    # here against 0.21-0.31; the text is then plain sampling's for the same seed.)
+    assert 0.1 < LLM.aggregate_spec_stats(outs).acceptance_rate < 0.95
     assert pvalue > 1e-3
 
 

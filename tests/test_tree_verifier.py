@@ -1,6 +1,7 @@
 """Tree verification on hand-built and random trees: a chain tree gives exactly the chain
-verifier's output, greedy trees accept what verifying each path as a chain accepts, and the
-vectorised verifier agrees token for token with the per-row reference."""
+verifier's output, greedy trees accept what verifying each path as a chain accepts, sampled
+trees emit plain sampling's tokens along the accepted path, and the vectorised verifier agrees
+token for token with the per-row reference."""
 
 from __future__ import annotations
 
@@ -9,24 +10,22 @@ import random
 import pytest
 import torch
 
-from specserve.sample import SamplingTensors, make_generator, processed_probs, reference_tree_verify, tree_verify, verify
+from specserve.sample import PositionNoise, SamplingTensors, reference_tree_verify, sample, tree_verify, verify
 from specserve.sampling_params import SamplingParams as SP
 from specserve.drafts.tree import DraftTree
 
 PARAMS = [SP(temperature=0), SP(temperature=1.0), SP(temperature=0.7, top_p=0.9), SP(temperature=1.2, top_k=3), SP(min_p=0.2, temperature=0.9)]
 
 
-def gens(n: int, base: int = 0) -> list[torch.Generator]:
-    return [make_generator(base + b, "cpu") for b in range(n)]
+def noises(n: int, base: int = 0) -> list[PositionNoise]:
+    return [PositionNoise(base + b) for b in range(n)]
 
 
-def random_tree(rng: random.Random, vocab: int, max_nodes: int, q_rows: torch.Tensor | None) -> DraftTree:
-    """Random shape; q_rows [1 + max_nodes, V] gives each node's q as its parent's row (siblings share it)."""
+def random_tree(rng: random.Random, vocab: int, max_nodes: int) -> DraftTree:
+    """Random shape and tokens (siblings may repeat a token)."""
     n = rng.randrange(0, max_nodes + 1)
     parents = [rng.randrange(-1, i) for i in range(n)]
-    tokens = [rng.randrange(vocab) for _ in range(n)]
-    probs = None if q_rows is None else q_rows[torch.tensor([p + 1 for p in parents], dtype=torch.long)]
-    return DraftTree(tokens, parents, probs)
+    return DraftTree([rng.randrange(vocab) for _ in range(n)], parents)
 
 
 def test_tree_helpers():
@@ -48,22 +47,23 @@ def test_tree_helpers():
         DraftTree.from_choices([[0, 1]], [[1], [2, 3]])
 
 
-@pytest.mark.parametrize("with_q", [False, True], ids=["one_hot_q", "draft_q"])
-def test_chain_tree_reproduces_the_chain_verifier_exactly(with_q):
+def test_chain_tree_reproduces_the_chain_verifier_exactly():
     vocab, k, rows = 6, 4, 40
     g = torch.Generator().manual_seed(0)
     params = [PARAMS[b % len(PARAMS)] for b in range(rows)]
     st = SamplingTensors.from_params(params, "cpu")
     for trial in range(5):
         logits = torch.randn(rows, k + 1, vocab, generator=g) * 2
-        q = processed_probs(logits[:, :k] + torch.randn(rows, k, vocab, generator=g), st)  # [B, k, V]
+        # Drafts: the target's own race (as a coupled draft would often be) or a random token.
+        races = torch.stack([sample(logits[:, j], st, noises(rows, trial * rows), [trial + j] * rows)
+                             for j in range(k)], 1)
+        drafts = torch.where(torch.rand(rows, k, generator=g) < 0.7, races, torch.randint(vocab, (rows, k), generator=g))
         n = torch.randint(0, k + 1, (rows,), generator=g)
         n[0] = k  # the widest row sets the logits' width
-        drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).reshape(rows, k)
         drafts = torch.where(torch.arange(k) < n[:, None], drafts, -1)
-        chain = verify(drafts, n, q if with_q else None, logits, st, gens(rows, trial * rows))
-        trees = [DraftTree.chain(drafts[b, : n[b]].tolist(), q[b, : n[b]] if with_q else None) for b in range(rows)]
-        tree = tree_verify(trees, logits, st, gens(rows, trial * rows))
+        chain = verify(drafts, n, logits, st, noises(rows, trial * rows), [trial] * rows)
+        trees = [DraftTree.chain(drafts[b, : n[b]].tolist()) for b in range(rows)]
+        tree = tree_verify(trees, logits, st, noises(rows, trial * rows), [trial] * rows)
         assert torch.equal(tree.output_token_ids, chain.output_token_ids)
         assert torch.equal(tree.num_accepted, chain.num_accepted)
         assert tree.accepted_nodes == [list(range(a)) for a in chain.num_accepted.tolist()]
@@ -74,15 +74,15 @@ def test_greedy_tree_accepts_what_each_path_accepts_as_a_chain():
     st = SamplingTensors.from_params([SP(temperature=0)] * rows, "cpu")
     g = torch.Generator().manual_seed(1)
     for _ in range(5):
-        trees = [random_tree(rng, vocab, max_nodes, None) for _ in range(rows)]
+        trees = [random_tree(rng, vocab, max_nodes) for _ in range(rows)]
         width = 1 + max(t.num_nodes for t in trees)
         logits = torch.randn(rows, width, vocab, generator=g)
-        out = tree_verify(trees, logits, st, [None] * rows)
+        out = tree_verify(trees, logits, st, [None] * rows, [0] * rows)
         for b, tree in enumerate(trees):
             best = []
             for path in tree.paths():  # verify the path alone: its own logits [1, 1 + len, V]
-                chain = verify(torch.tensor([[tree.token_ids[c] for c in path]]), torch.tensor([len(path)]), None,
-                               logits[b, [0] + [c + 1 for c in path]].unsqueeze(0), st.select([b]), [None])
+                chain = verify(torch.tensor([[tree.token_ids[c] for c in path]]), torch.tensor([len(path)]),
+                               logits[b, [0] + [c + 1 for c in path]].unsqueeze(0), st.select([b]), [None], [0])
                 a = int(chain.num_accepted[0])
                 if a > len(best):
                     best, tokens = path[:a], chain.output_token_ids[0, : a + 1].tolist()
@@ -92,20 +92,19 @@ def test_greedy_tree_accepts_what_each_path_accepts_as_a_chain():
             assert out.output_token_ids[b, : len(best) + 1].tolist() == tokens
 
 
-@pytest.mark.parametrize("with_q", [False, True], ids=["one_hot_q", "draft_q"])
-def test_tree_verifier_agrees_with_the_reference(with_q):
+def test_tree_verifier_agrees_with_the_reference():
     rng, vocab, rows, max_nodes = random.Random(2), 5, 50, 10
     g = torch.Generator().manual_seed(2)
     params = [PARAMS[b % len(PARAMS)] for b in range(rows)]
     st = SamplingTensors.from_params(params, "cpu")
     accepted = 0
     for trial in range(6):
-        q_rows = processed_probs(torch.randn(rows, max_nodes + 1, vocab, generator=g), st) if with_q else None
-        trees = [random_tree(rng, vocab, max_nodes, None if q_rows is None else q_rows[b]) for b in range(rows)]
+        trees = [random_tree(rng, vocab, max_nodes) for b in range(rows)]
         width = 1 + max(t.num_nodes for t in trees)
         logits = torch.randn(rows, width, vocab, generator=g) * 1.5
-        out = tree_verify(trees, logits, st, gens(rows, 100 * trial))
-        ref = reference_tree_verify(trees, logits, st, gens(rows, 100 * trial))
+        positions = [rng.randrange(1000) for _ in range(rows)]
+        out = tree_verify(trees, logits, st, noises(rows, 100 * trial), positions)
+        ref = reference_tree_verify(trees, logits, st, noises(rows, 100 * trial), positions)
         for b in range(rows):
             a = int(out.num_accepted[b])
             assert out.output_token_ids[b, : a + 1].tolist() == ref[b]
@@ -115,29 +114,41 @@ def test_tree_verifier_agrees_with_the_reference(with_q):
     assert accepted > 50  # the trees do get accepted, at several depths
 
 
-def test_sibling_after_a_rejection_is_tested_against_the_residual():
-    # p at the root is [.5, .5, 0, 0]; deterministic children 0 then 1. Child 0 is accepted
-    # with probability .5; when rejected, the residual is all on token 1, so child 1 is always
-    # accepted: every step accepts one of the two.
+def test_sampled_tree_emits_plain_samplings_tokens_along_its_path():
+    rng, vocab, rows, max_nodes = random.Random(3), 4, 40, 10
+    g = torch.Generator().manual_seed(3)
+    st = SamplingTensors.from_params([SP(temperature=0.9)] * rows, "cpu")
+    for trial in range(4):
+        trees = [random_tree(rng, vocab, max_nodes) for _ in range(rows)]
+        logits = torch.randn(rows, 1 + max(t.num_nodes for t in trees), vocab, generator=g)
+        out = tree_verify(trees, logits, st, noises(rows, trial), [5] * rows)
+        for b, path in enumerate(out.accepted_nodes):
+            flat = [0] + [c + 1 for c in path]  # the logits plain decoding of this text would see
+            want = [int(sample(logits[b, f : f + 1], st.select([b]), [PositionNoise(trial + b)], [5 + d]))
+                    for d, f in enumerate(flat)]
+            assert out.output_token_ids[b, : len(flat)].tolist() == want
+
+
+def test_siblings_share_their_depth_s_race():
+    # p at the root is [.5, .5, 0, 0]; children 0 then 1. The race at the root picks 0 or 1, so
+    # exactly one child is accepted every step, and which one follows the noise.
     probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.25] * 4, [0.25] * 4])
     logits = probs.log().unsqueeze(0)  # [1, 3, 4]
     tree = DraftTree([0, 1], [-1, -1])
     st = SamplingTensors.from_params([SP(temperature=1.0)], "cpu")
     firsts = []
     for seed in range(60):
-        out = tree_verify([tree], logits, st, gens(1, seed))
+        out = tree_verify([tree], logits, st, noises(1, seed), [0])
         assert out.num_accepted.tolist() == [1]
         firsts.append(out.accepted_nodes[0] == [0])
     assert 10 < sum(firsts) < 50
-    # The same with children drawn from q = [0, .5, .5, 0] (i.i.d., both token 2, then token 1):
-    # token 2 has p = 0, so both copies are rejected; the residual max(0, p - q) after them is
-    # [.5, 0, 0, 0] and the second rejection leaves it unchanged: token 0 is recovered.
-    q = torch.tensor([0.0, 0.5, 0.5, 0.0]).expand(2, 4)
-    out = tree_verify([DraftTree([2, 2], [-1, -1], q)], logits, st, gens(1))
-    assert out.num_accepted.tolist() == [0] and out.output_token_ids.tolist() == [[0, -1]]
+    # Children carrying a token p excludes are never accepted; the race's token is emitted.
+    for seed in range(20):
+        out = tree_verify([DraftTree([2, 2], [-1, -1])], logits, st, noises(1, seed), [0])
+        assert out.num_accepted.tolist() == [0] and out.output_token_ids[0, 0] in (0, 1)
 
 
 def test_shape_checks():
     st = SamplingTensors.from_params([SP()], "cpu")
     with pytest.raises(ValueError, match="must be \\[1, 1 \\+ 2, V\\]"):
-        tree_verify([DraftTree([1, 2], [-1, 0])], torch.zeros(1, 2, 4), st, [None])
+        tree_verify([DraftTree([1, 2], [-1, 0])], torch.zeros(1, 2, 4), st, [None], [0])

@@ -6,9 +6,10 @@ Two kinds of trees:
 - deterministic candidates: a static tree whose children at every node are the draft's top
   ranked tokens in that node's context (Medusa / EAGLE top-k style, q = None);
 - sampled candidates: at every node, children drawn i.i.d. from the draft's q in that node's
-  context, q recorded per child (SpecInfer style), duplicates included.
+  context (SpecInfer style), duplicates included.
 As there, seeds are fixed and the threshold p > 1e-3 leaves room for other seeds; a verifier fed
-the wrong q fails the same test by a wide margin, which shows the test has power.
+stale positions (the same noise at every step) fails the same test by a wide margin, which shows
+the test has power.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.sample import SamplingTensors, make_generator, tree_verify
+from specserve.sample import PositionNoise, SamplingTensors, tree_verify
 from specserve.sampling_params import SamplingParams as SP
 from specserve.drafts.tree import DraftTree
 from tests.helpers import chi_square_pvalue
@@ -30,7 +31,7 @@ IID = DraftTree.from_token_paths([[a, b, 0] for a in range(WIDTHS[0]) for b in r
 
 
 def build_trees(prev2: torch.Tensor, prev1: torch.Tensor, sampled: bool, q_table: torch.Tensor,
-                g: torch.Generator, wrong_q: bool) -> tuple[list[DraftTree], torch.Tensor]:
+                g: torch.Generator) -> tuple[list[DraftTree], torch.Tensor]:
     """Every row's tree (one shape for all) in the contexts (prev2, prev1) [L] ->
     (trees, [L, 1 + N, 2] context after each flat index, root first)."""
     shape = IID if sampled else STATIC
@@ -46,22 +47,16 @@ def build_trees(prev2: torch.Tensor, prev1: torch.Tensor, sampled: bool, q_table
         ctx.append((b, tok))
     contexts = torch.stack([torch.stack(c, -1) for c in ctx], 1)  # [L, 1 + N, 2]
     tokens = torch.stack(tokens, 1).tolist()  # [L][N]
-    if not sampled:
-        return [DraftTree(t, shape.parents) for t in tokens], contexts
-    at_parent = contexts[:, [p + 1 for p in shape.parents]]  # [L, N, 2]
-    q = q_table[at_parent[..., 0], at_parent[..., 1]]  # [L, N, V]
-    if wrong_q:
-        q = torch.full_like(q, 1.0 / V)
-    return [DraftTree(t, shape.parents, q[j]) for j, t in enumerate(tokens)], contexts
+    return [DraftTree(t, shape.parents) for t in tokens], contexts
 
 
 def simulate(params: SP, rows: int, sampled: bool, seed: int, seeded_rows: bool = False,
-             wrong_q: bool = False) -> tuple[torch.Tensor, float]:
+             stale_positions: bool = False) -> tuple[torch.Tensor, float]:
     """-> ([rows] outcome indices as in test_verifier_stats.exact_joint, mean accepted per step)."""
     st = SamplingTensors.from_params([params] * rows, "cpu")
     q_table = table_probs(DRAFT, params)
     g = torch.Generator().manual_seed(seed)
-    generators = [make_generator(seed * rows + b, "cpu") for b in range(rows)] if seeded_rows else [None] * rows
+    noise = [PositionNoise(seed * rows + b) for b in range(rows)] if seeded_rows else [None] * rows
     out = [[] for _ in range(rows)]
     accepted = steps = 0
     with torch.random.fork_rng():
@@ -69,9 +64,11 @@ def simulate(params: SP, rows: int, sampled: bool, seed: int, seeded_rows: bool 
         while any(len(o) < LENGTH for o in out):
             live = [b for b in range(rows) if len(out[b]) < LENGTH]
             prev = torch.tensor([([BOS, BOS] + out[b])[-2:] for b in live])  # [L, 2]
-            trees, contexts = build_trees(prev[:, 0], prev[:, 1], sampled, q_table, g, wrong_q)
+            trees, contexts = build_trees(prev[:, 0], prev[:, 1], sampled, q_table, g)
             logits = TARGET[contexts[..., 0], contexts[..., 1]]  # [L, 1 + N, V]
-            res = tree_verify(trees, logits, st.select(live), [generators[b] for b in live])
+            # Each row's next token comes at position len(out[b]) of its output.
+            positions = [0 if stale_positions else len(out[b]) for b in live]
+            res = tree_verify(trees, logits, st.select(live), [noise[b] for b in live], positions)
             for j, b in enumerate(live):
                 a = int(res.num_accepted[j])
                 out[b] += res.output_token_ids[j, : a + 1].tolist()
@@ -96,7 +93,7 @@ def test_tree_sampling_with_per_request_generators():
     assert chi_square_pvalue(outcomes, exact_joint(params)) > 1e-3
 
 
-def test_wrong_q_fails():
+def test_reused_noise_fails():
     params = PARAMS["t1.0"]
-    outcomes, _ = simulate(params, ROWS, sampled=True, seed=1, wrong_q=True)
+    outcomes, _ = simulate(params, ROWS, sampled=True, seed=1, seeded_rows=True, stale_positions=True)
     assert chi_square_pvalue(outcomes, exact_joint(params)) < 1e-6

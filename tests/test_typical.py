@@ -13,7 +13,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
-from specserve.sample import SamplingTensors, make_generator, tree_verify
+from specserve.sample import PositionNoise, SamplingTensors, tree_verify
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams as SP
 from specserve.drafts.tree import DraftTree
@@ -39,12 +39,12 @@ def test_nodes_pass_when_their_probability_clears_the_bar():
     tree = DraftTree([3, 2, 1, 0], [-1, -1, 1, 1])
     rows = [p_root, [0.25] * 4, [0.94, 0.05, 0.005, 0.005], [0.25] * 4, [0.1, 0.2, 0.3, 0.4]]
     st = SamplingTensors.from_params([SP(temperature=1.0)], "cpu")
-    out = tree_verify([tree], logits_for(rows), st, [make_generator(0, "cpu")], RULE)
+    out = tree_verify([tree], logits_for(rows), st, [PositionNoise(0)], [0], RULE)
     assert out.accepted_nodes == [[1, 3]] and out.num_accepted.tolist() == [2]
     assert out.output_token_ids[0, :2].tolist() == [2, 0]
     # A stricter bar: 0.2 is not above min(0.25, 0.9 * exp(-H)) = 0.25 at the root.
     strict = TypicalAcceptance(posterior_threshold=0.25, posterior_alpha=0.9)
-    out = tree_verify([tree], logits_for(rows), st, [make_generator(0, "cpu")], strict)
+    out = tree_verify([tree], logits_for(rows), st, [PositionNoise(0)], [0], strict)
     assert out.accepted_nodes == [[]]
 
 
@@ -53,11 +53,11 @@ def test_greedy_rows_are_exactly_the_lossless_tree_verifier():
     vocab, rows = 5, 30
     st = SamplingTensors.from_params([SP(temperature=0)] * rows, "cpu")
     for _ in range(5):
-        trees = [random_tree(rng, vocab, 8, None) for _ in range(rows)]
+        trees = [random_tree(rng, vocab, 8) for _ in range(rows)]
         width = 1 + max(t.num_nodes for t in trees)
         logits = torch.randn(rows, width, vocab, generator=g) * 2
-        a = tree_verify(trees, logits, st, [None] * rows)
-        b = tree_verify(trees, logits, st, [None] * rows, RULE)
+        a = tree_verify(trees, logits, st, [None] * rows, [0] * rows)
+        b = tree_verify(trees, logits, st, [None] * rows, [0] * rows, RULE)
         assert a.accepted_nodes == b.accepted_nodes
         assert torch.equal(a.output_token_ids, b.output_token_ids)
 
@@ -71,7 +71,7 @@ def test_emitted_token_is_sampled_from_p_at_the_last_accepted_node():
     st = SamplingTensors.from_params([SP(temperature=1.0)], "cpu")
     picks = []
     for seed in range(3000):
-        out = tree_verify([tree], logits_for(rows), st, [make_generator(seed, "cpu")], RULE)
+        out = tree_verify([tree], logits_for(rows), st, [PositionNoise(seed)], [0], RULE)
         assert out.accepted_nodes == [[0]]
         picks.append(int(out.output_token_ids[0, 1]))
     assert chi_square_pvalue(torch.tensor(picks), torch.tensor(p_node0, dtype=torch.float64)) > 1e-3

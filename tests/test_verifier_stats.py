@@ -18,7 +18,7 @@ import pytest
 import torch
 
 
-from specserve.sample import SamplingTensors, VerifyOutput, make_generator, processed_probs, sample, verify
+from specserve.sample import PositionNoise, SamplingTensors, VerifyOutput, processed_probs, sample, verify
 from specserve.sampling_params import SamplingParams as SP
 from tests.helpers import chi_square_pvalue
 
@@ -52,7 +52,7 @@ def simulate(verifier, params: SP, rows: int, deterministic_proposer: bool, seed
     """Run speculative decoding on `rows` sequences; returns [rows] outcome indices (see exact_joint)."""
     st = SamplingTensors.from_params([params] * rows, "cpu")
     q_table = table_probs(DRAFT, params)
-    generators = [make_generator(seed * rows + b, "cpu") for b in range(rows)] if seeded_rows else [None] * rows
+    noise = [PositionNoise(seed * rows + b) for b in range(rows)] if seeded_rows else [None] * rows
     out = torch.full((rows, LENGTH), -1)
     count = torch.zeros(rows, dtype=torch.long)
     everyone = torch.arange(rows)
@@ -62,7 +62,7 @@ def simulate(verifier, params: SP, rows: int, deterministic_proposer: bool, seed
             padded = torch.cat([torch.full((rows, 2), BOS), out], 1)
             prev2, prev1 = padded[everyone, count], padded[everyone, count + 1]
             num_draft = torch.randint(0, K + 1, (rows,))  # mixed draft lengths: padded batches
-            drafts, q, target = [], [], []
+            drafts, target = [], []
             a, b = prev2, prev1
             for j in range(K + 1):
                 target.append(TARGET[a, b])
@@ -71,11 +71,10 @@ def simulate(verifier, params: SP, rows: int, deterministic_proposer: bool, seed
                 qj = q_table[a, b]  # [rows, V]
                 x = DRAFT[a, b].argmax(-1) if deterministic_proposer else torch.multinomial(qj, 1).squeeze(1)
                 drafts.append(x)
-                q.append(qj)
                 a, b = b, x
             drafts = torch.where(torch.arange(K) < num_draft.unsqueeze(1), torch.stack(drafts, 1), -1)
-            res = verifier(drafts, num_draft, None if deterministic_proposer else torch.stack(q, 1),
-                           torch.stack(target, 1), st, generators)
+            # Each row's next token comes at position count[b] of its output.
+            res = verifier(drafts, num_draft, torch.stack(target, 1), st, noise, count.tolist())
             for j in range(K + 1):
                 take = (j < res.num_emitted) & (count < LENGTH)
                 out[take, count[take]] = res.output_token_ids[take, j]
@@ -109,19 +108,19 @@ def test_with_per_request_generators():
 
 # ---- the same test must fail on wrong verifiers ------------------------------------------------
 
-def accept_always(drafts, num_draft, draft_probs, target, st, generators) -> VerifyOutput:
+def accept_always(drafts, num_draft, target, st, noise, positions) -> VerifyOutput:
     """Keeps every draft token and adds a bonus token from p at position num_draft."""
     rows = drafts.shape[0]
-    bonus = sample(target[torch.arange(rows), num_draft], st, generators)
+    bonus = sample(target[torch.arange(rows), num_draft], st, noise, [t + n for t, n in zip(positions, num_draft.tolist())])
     out = torch.cat([drafts, torch.full((rows, 1), -1)], 1).scatter_(1, num_draft.unsqueeze(1), bonus.unsqueeze(1))
     return VerifyOutput(out, num_draft, num_draft + 1, drafts >= 0, torch.full_like(bonus, -1), bonus)
 
 
-def resample_from_p(drafts, num_draft, draft_probs, target, st, generators) -> VerifyOutput:
-    """Accepts with min(1, p/q) but replaces the recovered token by a fresh sample of p."""
-    res = verify(drafts, num_draft, draft_probs, target, st, generators)
+def resample_from_p(drafts, num_draft, target, st, noise, positions) -> VerifyOutput:
+    """Accepts as `verify` does but replaces the recovered token by a fresh sample of p."""
+    res = verify(drafts, num_draft, target, st, noise, positions)
     rows = drafts.shape[0]
-    fresh = sample(target[torch.arange(rows), res.num_accepted], st, generators)
+    fresh = sample(target[torch.arange(rows), res.num_accepted], st, noise, positions)
     rejected = res.recovered_token_ids >= 0
     recovered = torch.where(rejected, fresh, -1)
     out = res.output_token_ids.clone()
@@ -129,10 +128,10 @@ def resample_from_p(drafts, num_draft, draft_probs, target, st, generators) -> V
     return VerifyOutput(out, res.num_accepted, res.num_emitted, res.accepted_mask, recovered, res.bonus_token_ids)
 
 
-def bonus_from_last_column(drafts, num_draft, draft_probs, target, st, generators) -> VerifyOutput:
+def bonus_from_last_column(drafts, num_draft, target, st, noise, positions) -> VerifyOutput:
     """Takes the bonus token from position k (the padded width) instead of num_draft."""
-    res = verify(drafts, num_draft, draft_probs, target, st, generators)
-    fresh = sample(target[:, -1], st, generators)
+    res = verify(drafts, num_draft, target, st, noise, positions)
+    fresh = sample(target[:, -1], st, noise, positions)
     bonus = torch.where(res.bonus_token_ids >= 0, fresh, -1)
     out = res.output_token_ids.clone()
     has_bonus = bonus >= 0
@@ -140,11 +139,11 @@ def bonus_from_last_column(drafts, num_draft, draft_probs, target, st, generator
     return VerifyOutput(out, res.num_accepted, res.num_emitted, res.accepted_mask, res.recovered_token_ids, bonus)
 
 
-def unfiltered_target(drafts, num_draft, draft_probs, target, st, generators) -> VerifyOutput:
+def unfiltered_target(drafts, num_draft, target, st, noise, positions) -> VerifyOutput:
     """Verifies against the target at the request's temperature but without top-k/top-p/min-p."""
     unfiltered = {id(p): SP(temperature=p.temperature) for p in st.params}  # one per distinct params
     plain = SamplingTensors.from_params([unfiltered[id(p)] for p in st.params], "cpu")
-    return verify(drafts, num_draft, draft_probs, target, plain, generators)
+    return verify(drafts, num_draft, target, plain, noise, positions)
 
 
 @pytest.mark.parametrize("verifier,name,deterministic_proposer", [

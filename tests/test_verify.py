@@ -45,17 +45,20 @@ def test_verify_passes_on_the_real_verifier(models, capsys):
 
 
 def test_verify_fails_on_a_broken_acceptance_test(models, capsys, monkeypatch):
-    """An acceptance test that accepts with probability min(1, 2p/q) instead of min(1, p/q):
-    greedy output is untouched (it never reads the uniforms), the sampled law is not."""
+    """An acceptance rule that keeps a sampled row's first draft even when the target's race
+    rejected it: greedy output is untouched (greedy rows never reach that rule), the sampled law
+    leans towards the drafts."""
     import specserve.sample.tree_verifier as tv
 
-    real = tv.draw_noise
+    real = tv._verify_sampled
 
-    def halved(*args, **kwargs):
-        uniforms, expo = real(*args, **kwargs)
-        return uniforms * 0.5, expo
+    def keeps_the_first_draft(trees, target_logits, st, noise, positions, sampled, paths, emitted):
+        real(trees, target_logits, st, noise, positions, sampled, paths, emitted)
+        for b in sampled:
+            if not paths[b] and trees[b].num_nodes:
+                paths[b].append(0)  # node 0 is a child of the root (parents come first)
 
-    monkeypatch.setattr(tv, "draw_noise", halved)
+    monkeypatch.setattr(tv, "_verify_sampled", keeps_the_first_draft)
     assert main(models) == 1
     out = capsys.readouterr().out
     assert "greedy: 2/2 prompts identical" in out

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.drafts.tree import DraftTree
 from specserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # sample/ imports the draft types at run time; this is the annotation only
+    from specserve.sample.noise import PositionNoise
 
 
 @dataclass(slots=True)
@@ -22,7 +26,10 @@ class SpecRequest:
     token_ids: Sequence[int]  # prompt + every committed output token; never uncommitted drafts
     num_speculative_tokens: int  # k for this request this step, >= 0 (may differ per request)
     sampling: SamplingParams  # the request's own parameters: a sampled draft processes q with them
-    generator: torch.Generator | None  # the request's seeded generator (sampled draft models use it)
+    # The request's counter-based noise (sample.noise.PositionNoise): a proposer that samples
+    # its draft for sequence position t races q against the noise the verifier uses at t.
+    # None: the global RNG (callers without a request, such as tests; the engine always gives one).
+    noise: PositionNoise | None
     # Tree proposers: the most nodes a tree may have this step (the KV slots reserved for it,
     # >= num_speculative_tokens); None means num_speculative_tokens. Chain proposers ignore it.
     max_nodes: int | None = None
@@ -46,9 +53,8 @@ class DraftProposal:
 
     draft_token_ids: torch.Tensor  # [B, k_max] int64, -1 past num_draft[b]
     num_draft: torch.Tensor  # [B] int64, 0..k of that request (0: nothing to propose, a plain step)
-    # [B, k_max, V] float32: the processed q a stochastic proposer sampled from (rows past
-    # num_draft are ignored). None for deterministic proposers, whose q is one-hot at the draft.
-    draft_probs: torch.Tensor | None
+    # No draft probabilities: a proposer that samples draws with the request's noise (see
+    # SpecRequest.noise), and the verifier accepts a draft iff it equals the target's own draw.
 
     @classmethod
     def from_lists(cls, drafts: list[list[int]], k_max: int, device: torch.device | str) -> DraftProposal:
@@ -63,7 +69,7 @@ class DraftProposal:
             if d:
                 ids[b, : len(d)] = torch.tensor(d, dtype=torch.long)
         # Built on the host and moved once: per-row copies into a device tensor would each sync.
-        return cls(ids.to(device), torch.tensor(lengths, dtype=torch.long, device=device), None)
+        return cls(ids.to(device), torch.tensor(lengths, dtype=torch.long, device=device))
 
     @classmethod
     def empty(cls, batch: int, device: torch.device | str) -> DraftProposal:
@@ -71,7 +77,6 @@ class DraftProposal:
         return cls(
             torch.empty(batch, 0, dtype=torch.long, device=device),
             torch.zeros(batch, dtype=torch.long, device=device),
-            None,
         )
 
     def scatter(self, rows: list[int], batch: int) -> DraftProposal:
@@ -83,18 +88,14 @@ class DraftProposal:
         ids[idx] = self.draft_token_ids
         num = torch.zeros(batch, dtype=torch.long, device=device)
         num[idx] = self.num_draft
-        probs = None
-        if self.draft_probs is not None:
-            probs = self.draft_probs.new_zeros((batch, *self.draft_probs.shape[1:]))
-            probs[idx] = self.draft_probs
-        return DraftProposal(ids, num, probs)
+        return DraftProposal(ids, num)
 
     def as_trees(self) -> DraftTreeProposal:
-        """Each row's chain as a one-path tree (draft probabilities kept)."""
+        """Each row's chain as a one-path tree."""
         n = self.num_draft.tolist()
         ids = self.draft_token_ids.tolist()
         return DraftTreeProposal([
-            DraftTree.chain(ids[b][: n[b]], None if self.draft_probs is None or not n[b] else self.draft_probs[b, : n[b]])
+            DraftTree.chain(ids[b][: n[b]])
             if n[b] else DraftTree.empty() for b in range(len(n))])
 
 

@@ -25,10 +25,6 @@ class DraftTree:
 
     token_ids: list[int]  # [N] the token of each node, topological order
     parents: list[int]  # [N] parent node of each node, -1 for children of the root; parents[i] < i
-    # [N, V] float32: row i is the processed q node i was drawn from, i.e. the drafter's
-    # distribution at node i's parent (siblings drawn i.i.d. from the same q share that row).
-    # None: deterministic candidates (top-k picks, n-gram continuations).
-    draft_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -37,8 +33,6 @@ class DraftTree:
         bad = [i for i, p in enumerate(self.parents) if not -1 <= p < i]
         if bad:
             raise ValueError(f"parents must come before their children (-1 <= parents[i] < i); nodes {bad[:5]} break it")
-        if self.draft_probs is not None and (self.draft_probs.dim() != 2 or self.draft_probs.shape[0] != n):
-            raise ValueError(f"draft_probs {tuple(self.draft_probs.shape)} must be [{n}, V]")
 
     @classmethod
     def empty(cls) -> DraftTree:
@@ -51,9 +45,9 @@ class DraftTree:
         return all(p == i - 1 for i, p in enumerate(self.parents))
 
     @classmethod
-    def chain(cls, token_ids: Sequence[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
+    def chain(cls, token_ids: Sequence[int]) -> DraftTree:
         """A single path: node i is the child of node i - 1."""
-        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs)
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)))
 
     @classmethod
     def from_token_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import BONUS, CORRECTED, DRAFT, PLAIN, CompletionOutput, RequestOutput, TokenLogprob
-from specserve.sample import SamplingTensors, make_generator, verify_flat
+from specserve.sample import PositionNoise, SamplingTensors, verify_flat
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
 from specserve.spec.proposer import Proposer
@@ -105,6 +106,9 @@ class LLMEngine:
         self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, num_blocks)
         self.requests: dict[str, Request] = {}
+        # Seeds for requests that bring none: different per request, and the same sequence in
+        # every run of an engine with this config's seed.
+        self.seeds = random.Random(config.seed)
         self.planner: SpeculationPlanner | None = None
         if adaptive and self.num_speculative_tokens:
             width = self.proposer.num_draft_nodes(self.num_speculative_tokens) / self.num_speculative_tokens
@@ -184,7 +188,7 @@ class LLMEngine:
             prompt=prompt,
             prompt_token_ids=ids,
             params=params,
-            generator=make_generator(params.seed, self.runner.device),
+            noise=PositionNoise(self.seeds.getrandbits(63) if params.seed is None else params.seed),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             eos_token_ids=self.tokenizer.eos_token_ids,
             num_speculative_tokens=self._request_k(use_speculation, num_speculative_tokens),
@@ -256,24 +260,20 @@ class LLMEngine:
         """Each scheduled request's share of the step (in `sched.scheduled` order); for a
         request that failed alone, its exception."""
         scheduled = sched.scheduled
-        rng = [r.generator.get_state() if r.generator is not None and not r.params.greedy else None
-               for r in (s.request for s in scheduled)]
         try:
             return self._compute(scheduled, learn=True)
         except Exception as e:
             logger.warning("a step of %d request(s) failed (%s: %s); computing each alone to find the one it "
                            "failed for", len(scheduled), type(e).__name__, e)
-            return [self._compute_alone(s, state) for s, state in zip(scheduled, rng)]
+            return [self._compute_alone(s) for s in scheduled]
 
-    def _compute_alone(self, s: ScheduledRequest, rng_state: torch.Tensor | None) -> _Computed | Exception:
+    def _compute_alone(self, s: ScheduledRequest) -> _Computed | Exception:
         """The request's share computed in a batch of its own, from the state the step began
         in: nothing was committed, and the failed pass wrote KV only past computed lengths,
-        where this pass writes again. Its generator is rewound, so a seeded request draws the
-        same numbers; the proposer's state, which a failed proposal may have left half-updated,
-        is dropped and rebuilt from the committed tokens."""
+        where this pass writes again. Its noise depends only on (seed, position), so it draws
+        the same numbers; the proposer's state, which a failed proposal may have left
+        half-updated, is dropped and rebuilt from the committed tokens."""
         try:
-            if rng_state is not None:
-                s.request.generator.set_state(rng_state)
             if s.decode:
                 self._forget_drafts(s.request)
             return self._compute([s], learn=False)[0]
@@ -302,8 +302,10 @@ class LLMEngine:
         argmax = fwd.logits.argmax(-1).tolist() if self.keep_predictions and rows else None  # [M]
         if rows:
             st = SamplingTensors.from_params([reqs[i].params for i in rows], fwd.logits.device)
+            # The token the root's logits predict sits right after the tokens computed this step.
+            positions = [starts[i] + scheduled[i].num_new_tokens for i in rows]
             out = verify_flat([trees[i] for i in rows], fwd.logits, [fwd.logit_start[i] for i in rows] + [fwd.logit_start[-1]],
-                              st, [reqs[i].generator for i in rows], self.typical_acceptance)
+                              st, [reqs[i].noise for i in rows], positions, self.typical_acceptance)
             tokens_out = out.output_token_ids.tolist()
             for j, i in enumerate(rows):
                 paths[i] = out.accepted_nodes[j]
@@ -379,7 +381,7 @@ class LLMEngine:
         for i in rows:
             r, slots = scheduled[i].request, scheduled[i].num_draft
             nodes = self.planner.nodes(depths[i], slots) if r.adaptive and self.planner is not None else slots
-            batch.append(SpecRequest(r.request_id, r.all_token_ids, depths[i], r.params, r.generator, max_nodes=nodes,
+            batch.append(SpecRequest(r.request_id, r.all_token_ids, depths[i], r.params, r.noise, max_nodes=nodes,
                                      num_prompt_tokens=len(r.prompt_token_ids)))
         proposal = self.proposer.propose(batch)
         if isinstance(proposal, DraftProposal):

@@ -6,9 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from specserve.outputs import PLAIN, RequestMetrics, SpecStats, TextPiece, TokenLogprob
+from specserve.sample.noise import PositionNoise
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -30,7 +29,9 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    # The noise every sampled token of this request is drawn with: a function of (seed, sequence
+    # position) only, so draws repeat whatever is drafted, retried or recomputed.
+    noise: PositionNoise
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
     num_speculative_tokens: int = 0  # 0: plain decoding for this request; a tree proposer's depth

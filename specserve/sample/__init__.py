@@ -1,20 +1,22 @@
-"""Logits processing, sampling and speculative verification (the rejection sampler)."""
+"""Logits processing, sampling and speculative verification."""
 
 from specserve.sample.logits import SamplingTensors, processed_probs
+from specserve.sample.noise import PositionNoise, draw_exponentials
 from specserve.sample.reference import reference_verify
-from specserve.sample.sampler import draw_noise, make_generator, race, sample
+from specserve.sample.sampler import race, race_rows, sample
 from specserve.sample.tree_reference import reference_tree_verify
 from specserve.sample.tree_verifier import TreeVerifyOutput, tree_verify, verify_flat
 from specserve.sample.verifier import VerifyOutput, verify
 
 __all__ = [
+    "PositionNoise",
     "SamplingTensors",
     "TreeVerifyOutput",
     "VerifyOutput",
-    "draw_noise",
-    "make_generator",
+    "draw_exponentials",
     "processed_probs",
     "race",
+    "race_rows",
     "reference_tree_verify",
     "reference_verify",
     "sample",

@@ -1,26 +1,28 @@
-"""Per-row, per-node reference of `tree_verify`, written to be checked by eye against the
-algorithm (SpecInfer's multi-candidate rejection sampling). Test oracle only: slow by design.
-
-It draws the same random numbers in the same order as `tree_verify` (one uniform per node, then
-one exponential race over the vocabulary), so with equal generator states the two must agree.
+"""Per-row, per-node reference of `tree_verify`, written to be checked by eye against its rule
+(tree_verifier.py): at each node the target's own race at that depth's position; follow the
+first child carrying it, else emit it. Test oracle only: slow by design. With the same noise the
+two must agree token for token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.nn.functional as F
 
 from specserve.sample.logits import SamplingTensors, processed_probs
+from specserve.sample.noise import PositionNoise
 from specserve.drafts.tree import DraftTree
 
 
 def reference_tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
-                          generators: list[torch.Generator | None]) -> list[list[int]]:
-    """Same inputs as `tree_verify` (on CPU); returns each row's emitted tokens (path + one more)."""
+                          noise: Sequence[PositionNoise], positions: Sequence[int]) -> list[list[int]]:
+    """Same inputs as `tree_verify` (on CPU, every row with noise); returns each row's emitted
+    tokens (path + one more)."""
     vocab = target_logits.shape[-1]
     out = []
     for b, tree in enumerate(trees):
-        g, kids = generators[b], tree.children()
+        kids = tree.children()
         if st.greedy_rows[b]:  # each path verified as a chain; the longest accepted prefix, the first of equals
             argmax = target_logits[b].argmax(-1).tolist()
             best: list[int] = []
@@ -32,25 +34,15 @@ def reference_tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, s
             out.append([tree.token_ids[c] for c in best] + [argmax[best[-1] + 1 if best else 0]])
             continue
         p = processed_probs(target_logits[b : b + 1], st.select([b]))[0]  # [1 + N_max, V]
-        u = torch.rand(tree.num_nodes, dtype=torch.float64, generator=g)
-        emitted, flat = [], 0
+        emitted, flat, depth = [], 0, 0
         while True:
-            r, nxt = p[flat], None  # the residual at the current node
-            for c in kids[flat]:
-                x = tree.token_ids[c]
-                q = F.one_hot(torch.tensor(x), vocab).float() if tree.draft_probs is None else tree.draft_probs[c]
-                if float(q[x]) > 0 and float(u[c]) < float(r[x]) / float(q[x]) or float(q[x]) == 0 < float(r[x]):
-                    nxt = c
-                    break
-                cut = (r - q).clamp(min=0)
-                if float(cut.sum()) > 0:
-                    r = cut / cut.sum()
+            # Exponential race: argmax(p / E), E ~ Exp(1), is an exact draw from p.
+            e = noise[b].exponentials(positions[b] + depth, vocab, "cpu")
+            y = int((p[flat].double() / e).argmax())
+            emitted.append(y)
+            nxt = next((c for c in kids[flat] if tree.token_ids[c] == y), None)
             if nxt is None:
                 break
-            emitted.append(tree.token_ids[nxt])
-            flat = nxt + 1
-        # Exponential race: argmax(w / E), E ~ Exp(1), is an exact draw from w / sum(w).
-        e = -torch.rand(vocab, dtype=torch.float64, generator=g).log()
-        emitted.append(int((r.double() / e).argmax()))
+            flat, depth = nxt + 1, depth + 1
         out.append(emitted)
     return out

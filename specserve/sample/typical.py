@@ -8,18 +8,21 @@ applied, as plain sampling uses it) and H its entropy. The longest path of such 
 then one token is sampled from p at the path's last node. The emitted text is no longer
 distributed exactly as the target's: tokens the target finds plausible are taken without the
 rejection test, so the output leans towards the drafter's choices (more so at high temperature,
-where p is flat and exp(-H) small). Greedy rows are untouched: they follow the target's argmax
+where p is flat and exp(-H) small). The sampled token at the path's end uses the request's noise
+at its sequence position, as plain sampling would there. Greedy rows are untouched: they follow the target's argmax
 exactly as `tree_verify` does, so greedy output stays identical to plain decoding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from specserve.sample.logits import SamplingTensors, processed_probs
-from specserve.sample.sampler import draw_noise, race
+from specserve.sample.noise import PositionNoise
+from specserve.sample.sampler import race_rows
 from specserve.drafts.tree import DraftTree
 
 
@@ -34,12 +37,12 @@ class TypicalAcceptance:
 
 
 def verify_sampled_typical(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
-                           generators: list[torch.Generator | None], sampled: list[int], paths: list[list[int]],
-                           emitted: list[int], rule: TypicalAcceptance) -> None:
+                           noise: Sequence[PositionNoise | None], positions: Sequence[int], sampled: list[int],
+                           paths: list[list[int]], emitted: list[int], rule: TypicalAcceptance) -> None:
     """`tree_verify`'s sampled rows under the typical rule (target_logits [B, 1 + N_max, V] at
-    [root, nodes...]): fills paths[b] and emitted[b] for b in `sampled`."""
-    device, vocab = target_logits.device, target_logits.shape[-1]
-    sizes = [t.num_nodes for t in trees]
+    [root, nodes...]; noise and positions as there): fills paths[b] and emitted[b] for b in
+    `sampled`."""
+    device = target_logits.device
     p = processed_probs(target_logits[sampled], st.select(sampled))  # [S, 1 + N_max, V]
     entropy = torch.special.entr(p).sum(-1)  # [S, 1 + N_max]
     bar = torch.clamp(rule.posterior_alpha * torch.exp(-entropy), max=rule.posterior_threshold).tolist()
@@ -49,8 +52,8 @@ def verify_sampled_typical(trees: list[DraftTree], target_logits: torch.Tensor, 
             parents = torch.tensor(tree.parents, device=device) + 1  # flat index of each node's parent
             p_x = p[j, parents, torch.tensor(tree.token_ids, device=device)].tolist()  # [N]
             paths[b] = tree.longest_path(lambda c, parent, j=j, p_x=p_x: p_x[c] > bar[j][parent])
-    _, expo = draw_noise(generators, st.greedy_rows, sizes, max(sizes, default=0), vocab, device)
     last = torch.tensor([paths[b][-1] + 1 if paths[b] else 0 for b in sampled], device=device)
-    picks = race(p[torch.arange(len(sampled), device=device), last], expo[sampled]).tolist()  # [S]
+    picks = race_rows(p[torch.arange(len(sampled), device=device), last], [False] * len(sampled),
+                      [noise[b] for b in sampled], [positions[b] + len(paths[b]) for b in sampled]).tolist()  # [S]
     for b, tok in zip(sampled, picks):
         emitted[b] = tok

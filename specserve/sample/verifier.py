@@ -1,29 +1,35 @@
-"""The speculative verifier (rejection sampler): a pure function from draft tokens, draft
-probabilities and target logits to the tokens a step emits, keeping the output distribution
-exactly the target's processed distribution p.
+"""The speculative verifier: a pure function from draft tokens and target logits to the tokens a
+step emits, which are exactly the tokens plain sampling would emit with the same noise.
 
-Per row b with n = num_draft[b] drafts x_0..x_{n-1}:
-- greedy: accept x_j while x_j == argmax(target_j); then emit the target argmax at the first
-  mismatch (or at position n when all match).
-- sampling: accept x_j when u_j * q_j(x_j) < p_j(x_j), i.e. with probability min(1, p/q); at the
-  first rejection emit a sample of normalise(max(0, p_j - q_j)) ("recovered"); when all n are
-  accepted emit a sample of p_n ("bonus"). q is one-hot at x_j for deterministic proposers.
+Per row b with n = num_draft[b] drafts x_0..x_{n-1}, the first to come at sequence position
+t0 = positions[b]: for j = 0, 1, ... the target's token at position t0 + j is
+    y_j = race(p_j, E_{t0+j})       (sampler.race; greedy rows: the argmax of the raw logits)
+with p_j the processed target distribution after the accepted prefix x_0..x_{j-1}. Draft x_j is
+accepted iff x_j == y_j; at the first mismatch, or after all n are accepted, y_j is emitted
+("recovered" or "bonus") and the step ends.
 
-Randomness per sampled row, from its generator, always in this order whatever is accepted:
-n uniforms, then one exponential race over the vocabulary (see sampler.draw_noise). Drawing all
-n uniforms up front (instead of stopping at the rejection) makes the order fixed, so the
-vectorised code below and the per-row reference consume identical random numbers.
+Why this is lossless: every emitted token is y_j, the race the target's own plain sampling runs
+at that position with that noise (an accepted x_j equals y_j), so the text IS the target's
+sample, token for token, at any k and for any proposer. For a deterministic draft (q one-hot at
+x) acceptance has probability P(y_j = x) = p_j(x) = min(1, p/q), exactly standard speculative
+sampling's. A proposer that samples its drafts draws them as race(q_j, E_{t0+j}) with the same
+noise (a Gumbel-max coupling), so it needs no draft probabilities here: it is accepted whenever
+the two races agree.
+
+Noise is drawn lazily, depth by depth, only for positions a row reaches: a step draws as many
+vocabulary-sized vectors as tokens it emits, as plain decoding does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from specserve.sample.logits import SamplingTensors, processed_probs
-from specserve.sample.sampler import draw_noise, race
+from specserve.sample.noise import PositionNoise
+from specserve.sample.sampler import race_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,59 +42,48 @@ class VerifyOutput:
     bonus_token_ids: torch.Tensor  # [B] int64: token emitted after all drafts were accepted, or -1
 
 
-def verify(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, draft_probs: torch.Tensor | None,
-           target_logits: torch.Tensor, st: SamplingTensors,
-           generators: list[torch.Generator | None]) -> VerifyOutput:
+def verify(draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_logits: torch.Tensor,
+           st: SamplingTensors, noise: Sequence[PositionNoise | None], positions: Sequence[int]) -> VerifyOutput:
     """draft_token_ids [B, k] int64 (-1 past num_draft), num_draft [B] int64 in 0..k,
-    draft_probs [B, k, V] float32 processed q (None: deterministic proposer, q one-hot),
-    target_logits [B, k+1, V] raw logits after each of the k+1 inputs."""
+    target_logits [B, k+1, V] raw logits after each of the k+1 inputs; noise[b] row b's noise
+    (None: the global RNG), positions[b] the sequence position of row b's first draft."""
     rows, k = draft_token_ids.shape
-    vocab = target_logits.shape[-1]
     if target_logits.shape[:2] != (rows, k + 1):
         raise ValueError(f"target_logits {tuple(target_logits.shape)} must be [{rows}, {k + 1}, V] "
                          f"for draft_token_ids {tuple(draft_token_ids.shape)}")
-    if len(generators) != rows:
-        raise ValueError(f"{len(generators)} generators for {rows} rows")
+    if len(noise) != rows or len(positions) != rows:
+        raise ValueError(f"{len(noise)} noise sources and {len(positions)} positions for {rows} rows")
     device = target_logits.device
-    n_list = num_draft.tolist()  # the one host sync: how many uniforms each row draws
+    n = num_draft.tolist()
+    drafts = draft_token_ids.tolist()
     p = processed_probs(target_logits, st)  # [B, k+1, V]; one-hot on greedy rows
-    drafts = draft_token_ids.clamp(min=0)  # [B, k]; padding reads token 0, masked out below
-    valid = torch.arange(k, device=device) < num_draft.unsqueeze(-1)  # [B, k]
+    num_accepted, emitted = [0] * rows, [0] * rows
+    alive = list(range(rows))
+    for j in range(k + 1):  # depth by depth, over the rows still accepting
+        won = race_rows(p[alive, j], [st.greedy_rows[b] for b in alive], [noise[b] for b in alive],
+                        [positions[b] + j for b in alive]).tolist()  # [A]
+        still = []
+        for b, y in zip(alive, won):
+            if j < n[b] and drafts[b][j] == y:
+                still.append(b)
+            else:
+                num_accepted[b], emitted[b] = j, y
+        alive = still
+        if not alive:
+            break
 
-    # Acceptance of each position on its own; the accepted prefix is decided after.
-    greedy_ok = drafts == target_logits[:, :k].argmax(-1)  # [B, k]
-    p_x = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)  # [B, k]
-    q_x = torch.ones_like(p_x) if draft_probs is None else draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    uniforms, expo = draw_noise(generators, st.greedy_rows, n_list, k, vocab, device)  # [B, k], [B, V]
-    sampled_ok = uniforms * q_x.double() < p_x.double()  # P(u * q < p) = min(1, p / q)
-    ok = torch.where(st.greedy.unsqueeze(-1), greedy_ok, sampled_ok) & valid
-    accepted_mask = ok.long().cumprod(-1).bool()  # [B, k]: the prefix before the first rejection
-    num_accepted = accepted_mask.sum(-1)  # [B]
-    rejected = num_accepted < num_draft  # [B]
-
-    # The emitted token comes from position a = num_accepted: the residual after a rejection,
-    # else (bonus, or any greedy row, whose p is already the one-hot argmax) p itself.
-    batch = torch.arange(rows, device=device)
-    p_a = p[batch, num_accepted]  # [B, V]
-    weights = p_a
-    if k > 0:
-        at = num_accepted.clamp(max=k - 1)
-        q_a = F.one_hot(drafts[batch, at], vocab).float() if draft_probs is None else draft_probs[batch, at]
-        residual = (p_a - q_a).clamp(min=0)  # [B, V]
-        # Mathematically nonzero whenever a rejection happened; rounding (p == q) can zero it.
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_a)
-        use_residual = (rejected & ~st.greedy).unsqueeze(-1)
-        weights = torch.where(use_residual, residual, p_a)
-    emitted = race(weights, expo)  # [B]
-
+    accepted = torch.tensor(num_accepted, dtype=torch.long, device=device)
+    last = torch.tensor(emitted, dtype=torch.long, device=device)
+    accepted_mask = torch.arange(k, device=device) < accepted.unsqueeze(-1)  # [B, k]
     out = torch.where(accepted_mask, draft_token_ids, -1)
     out = torch.cat([out, torch.full((rows, 1), -1, dtype=torch.long, device=device)], dim=1)
-    out.scatter_(1, num_accepted.unsqueeze(-1), emitted.unsqueeze(-1))
+    out.scatter_(1, accepted.unsqueeze(-1), last.unsqueeze(-1))
+    rejected = accepted < num_draft
     return VerifyOutput(
         output_token_ids=out,
-        num_accepted=num_accepted,
-        num_emitted=num_accepted + 1,
+        num_accepted=accepted,
+        num_emitted=accepted + 1,
         accepted_mask=accepted_mask,
-        recovered_token_ids=torch.where(rejected, emitted, -1),
-        bonus_token_ids=torch.where(rejected, -1, emitted),
+        recovered_token_ids=torch.where(rejected, last, -1),
+        bonus_token_ids=torch.where(rejected, -1, last),
     )

@@ -1,5 +1,8 @@
 """Draft-model proposer: a smaller model of the same tokenizer family drafts k tokens
-autoregressively on its own paged KV cache, keeping its probabilities q for the verifier."""
+autoregressively on its own paged KV cache. A sampled request's draft for sequence position t is
+race(q_t, E_t) with the request's own noise at t, the noise the verifier races the target's p_t
+with (a Gumbel-max coupling): the draft is accepted exactly when the two races agree, so the
+verifier needs no draft probabilities."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from specserve.kv.budget import num_kv_blocks
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
-from specserve.sample import SamplingTensors, processed_probs
+from specserve.sample import SamplingTensors, processed_probs, race_rows
 from specserve.drafts import DraftProposal, SpecRequest
 from specserve.spec.proposer import Proposer
 
@@ -119,9 +122,7 @@ class DraftModelProposer(Proposer):
         reqs = [batch[i] for i in rows]
         k_max = max(r.num_speculative_tokens for r in reqs)
         st = SamplingTensors.from_params([r.sampling for r in reqs], device)
-        vocab = self.draft.config.vocab_size
         draft_ids = torch.full((len(batch), k_max), -1, dtype=torch.long, device=device)
-        draft_probs = torch.zeros(len(batch), k_max, vocab, dtype=torch.float32, device=device)
 
         # Pass 0 feeds the catch-up tokens, each later pass the previous pass's draft.
         active = list(range(len(reqs)))
@@ -131,11 +132,12 @@ class DraftModelProposer(Proposer):
             logits = self.runner.execute_last(fb)[:, 0]  # [A, V]
             for rid, s, f in zip(rids, starts, feeds):
                 self.kv.commit(rid, self.cached[rid], s + len(f))
-            q = processed_probs(logits, st.select(active))  # [A, V]
-            picked = _sample(q, [reqs[a].generator for a in active])
+            sub = st.select(active)
+            q = processed_probs(logits, sub)  # [A, V]; one-hot on greedy rows, which race to their argmax
+            picked = race_rows(q, sub.greedy_rows, [reqs[a].noise for a in active],
+                               [len(reqs[a].token_ids) + step for a in active]).tolist()  # [A]
             for j, a in enumerate(active):
                 draft_ids[rows[a], step] = picked[j]
-                draft_probs[rows[a], step] = q[j]
             still = [j for j, a in enumerate(active) if step + 1 < reqs[a].num_speculative_tokens]
             for j in still:
                 # The drafted token enters the draft cache; if rejected it is rolled back by
@@ -149,7 +151,7 @@ class DraftModelProposer(Proposer):
         num_draft = [0] * len(batch)
         for i in rows:
             num_draft[i] = batch[i].num_speculative_tokens
-        return DraftProposal(draft_token_ids=draft_ids, draft_probs=draft_probs,
+        return DraftProposal(draft_token_ids=draft_ids,
                              num_draft=torch.tensor(num_draft, dtype=torch.long, device=device))
 
 
@@ -164,10 +166,3 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         i += 1
     return i
 
-
-def _sample(q: torch.Tensor, generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of q [A, V] (greedy rows of q are one-hot, so this is their argmax)."""
-    out = []
-    for row, g in zip(q, generators):
-        out.append(int(torch.multinomial(row, 1, generator=g)) if row.max() < 1.0 else int(row.argmax()))
-    return out
