@@ -182,8 +182,10 @@ def _compare_plain(plain, llm, ids, params, prompt, first) -> None:
     spec_speed = statistics.median(o.metrics.decode_tokens_per_s for o in spec_runs)
     base_speed = statistics.median(o.metrics.decode_tokens_per_s for o in base_runs)
     same = all(o.outputs[0].token_ids == first.outputs[0].token_ids for o in base_runs + spec_runs)
-    # Sampled runs keep the target's distribution, not its draws: only greedy runs must match.
-    verdict = ("yes" if same else "no") if params.temperature == 0 else "n/a when sampling (specserve verify tests that)"
+    # Greedy runs must match, and so must seeded sampled ones (a seed fixes each position's
+    # noise, whatever was drafted); unseeded sampled runs keep the distribution, not the draws.
+    comparable = params.greedy or params.seed is not None
+    verdict = ("yes" if same else "no") if comparable else "n/a when sampling without --seed (specserve verify tests the distribution)"
     print(f"plain decoding: {base_speed:.1f} tok/s, speculative {spec_speed:.1f} (medians of {COMPARE_ROUNDS} runs "
           f"each, alternated) | speculative speedup {spec_speed / max(base_speed, 1e-9):.2f}x | "
           f"outputs identical: {verdict}", file=sys.stderr)
