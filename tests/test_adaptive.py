@@ -293,8 +293,8 @@ def test_reserved_draft_slots_follow_the_planner(tiny, monkeypatch):
     reserved = []
     orig = engine.scheduler.schedule
 
-    def schedule():
-        out = orig()
+    def schedule(*args):
+        out = orig(*args)
         reserved.extend(s.num_draft for s in out.decode)
         return out
     monkeypatch.setattr(engine.scheduler, "schedule", schedule)
