@@ -189,10 +189,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # While any request decodes, a step's prompt chunks are cut so that the step's predicted
     # time (the engine's pass cost model) stays within this many milliseconds; 0: only
-    # max_num_batched_tokens bounds them. Measured on the 2-core CPU with the embedded model:
-    # one 4,000-token prompt under the 2048-token budget held a decoding stream for 14.6 s in
-    # one step (its attention over the prefix grows with context); at 100 ms the stream's
-    # longest gap stays near the bound and the prompt finishes sooner than in 2048-token chunks.
+    # max_num_batched_tokens bounds them. Measured on the 2-core CPU with the embedded model,
+    # one stream decoding while a 4,000-token prompt arrives: under the 2048-token budget alone
+    # one step held the stream 14.6 s on a quiet machine (the second chunk's attention over its
+    # 2,048-token prefix). At 100 ms, on the shared machine (2-5x slower than quiet, so noisy),
+    # the stream's longest gap was ~2 s in two runs (16 and 50 s without the bound) and its
+    # median ~90 ms (a decode step alone: ~4 ms); the prompt's own time moved both ways (36 s
+    # against 91 s in one pair, 59 s against 24 s in the other): its late chunks of 16 tokens
+    # pay a pass each.
     max_step_ms: float = DEFAULT_MAX_STEP_MS
     enable_prefix_caching: bool = True
 

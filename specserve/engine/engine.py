@@ -108,7 +108,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.planner: SpeculationPlanner | None = None
         plan = adaptive and self.num_speculative_tokens
-        cost = cost_model or (self._measure_cost() if plan or config.max_step_ms else None)
+        cost = cost_model or (self._measure_cost() if plan or self._bounds_steps else None)
         self._cost = None if plan else cost  # the planner owns it when there is one
         if plan:
             width = self.proposer.num_draft_nodes(self.num_speculative_tokens) / self.num_speculative_tokens
@@ -119,6 +119,12 @@ class LLMEngine:
     def cost(self) -> PassCostModel | None:
         """The pass cost model: the planner's, or the step-time bound's own (None: neither)."""
         return self.planner.cost if self.planner is not None else self._cost
+
+    @property
+    def _bounds_steps(self) -> bool:
+        """Whether prompt chunks are cut by predicted step time (a request can decode beside
+        a prompt only with room for two)."""
+        return bool(self.config.max_step_ms) and self.config.max_num_seqs > 1
 
     def _measure_cost(self) -> PassCostModel:
         """The target's pass cost on this machine, timed on scratch KV slots (no request holds
@@ -137,7 +143,7 @@ class LLMEngine:
 
         # Up to the tokens a step of drafts reaches; with the step-time bound, also a prompt
         # chunk's (~16-64 tokens at 100 ms on the 2-core CPU).
-        chunk = 64 if self.config.max_step_ms else 0
+        chunk = 64 if self._bounds_steps else 0
         probe = min(128, self.config.max_num_batched_tokens,
                     max(chunk, self.config.max_num_seqs * (1 + self.num_speculative_tokens)))
         context = min(1024, blocks * bs, self.config.max_model_len) - 16

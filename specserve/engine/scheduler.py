@@ -38,7 +38,7 @@ from specserve.engine.request import Request, Status
 
 # The fewest tokens the step's first prompt chunk takes under the step-time bound: a pass costs
 # its weights' read whatever it computes (~3.5 ms for the embedded model on the 2-core CPU,
-# against ~1.5 ms for a prompt token after 1,000 tokens of context), so smaller chunks would
+# against ~1.2 ms for a prompt token after 1,000 tokens of context), so smaller chunks would
 # spend the prompt's time on passes; 16 is also one KV block, which the prefix cache shares.
 MIN_PROMPT_CHUNK = 16
 
