@@ -168,6 +168,10 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+# EngineConfig.max_step_ms's default (its comment gives the measurement).
+DEFAULT_MAX_STEP_MS = 100.0
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     max_model_len: int  # tokens of context per request (prompt + output)
@@ -183,6 +187,17 @@ class EngineConfig:
     # Tokens computed per step across requests (prompt chunks + decode tokens + drafts): the
     # bound on a step's latency that chunked prefill keeps while long prompts come in.
     max_num_batched_tokens: int = 2048
+    # While any request decodes, a step's prompt chunks are cut so that the step's predicted
+    # time (the engine's pass cost model) stays within this many milliseconds; 0: only
+    # max_num_batched_tokens bounds them. Measured on the 2-core CPU with the embedded model,
+    # one stream decoding while a 4,000-token prompt arrives: under the 2048-token budget alone
+    # one step held the stream 14.6 s on a quiet machine (the second chunk's attention over its
+    # 2,048-token prefix). At 100 ms, on the shared machine (2-5x slower than quiet, so noisy),
+    # the stream's longest gap was ~2 s in two runs (16 and 50 s without the bound) and its
+    # median ~90 ms (a decode step alone: ~4 ms); the prompt's own time moved both ways (36 s
+    # against 91 s in one pair, 59 s against 24 s in the other): its late chunks of 16 tokens
+    # pay a pass each.
+    max_step_ms: float = DEFAULT_MAX_STEP_MS
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -200,3 +215,6 @@ class EngineConfig:
                                         "must be a number of bytes (an integer > 1) or a fraction of free memory in (0, 1]")
         if self.max_num_batched_tokens < 2:
             raise InvalidParameterError("max_num_batched_tokens", self.max_num_batched_tokens, "must be >= 2")
+        ms = self.max_step_ms
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 <= ms <= 1e6:
+            raise InvalidParameterError("max_step_ms", ms, "must be a number of milliseconds in [0, 1e6] (0: no bound)")

@@ -32,7 +32,8 @@ _METHOD_KEYS = {"ngram": LOOKUP_KEYS, "suffix": SUFFIX_KEYS, "draft_model": ("mo
 # Every method's own keys that a command-line flag sets (generate, serve and bench take them all).
 FLAG_KEYS = tuple(dict.fromkeys(k for keys in _METHOD_KEYS.values() for k in keys if k != "model"))
 # The engine arguments a command may have, as LLM's keyword arguments.
-ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "enable_prefix_caching")
+ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms", "block_size", "num_kv_blocks",
+               "enable_prefix_caching")
 SERVE_MAX_NUM_SEQS = 16  # a server's default batch (LLM's own default is smaller: one user's prompts)
 
 
@@ -125,6 +126,9 @@ def add_engine_args(p: argparse.ArgumentParser, serving: bool = False) -> None:
     batch and KV pool (generate runs one request, bench sets its own)."""
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens computed per engine step (default 2048)")
+    p.add_argument("--max-step-ms", type=float, default=None,
+                   help="while a request decodes, prompt chunks are cut to keep a step's predicted time within "
+                        "this many ms, so one long prompt does not stall the other streams (default 100; 0: off)")
     if not serving:
         return
     p.add_argument("--max-num-seqs", type=int, default=None, help=f"requests running together (default {SERVE_MAX_NUM_SEQS})")

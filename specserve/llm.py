@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
-from specserve.config import EngineConfig, SpeculativeConfig
+from specserve.config import DEFAULT_MAX_STEP_MS, EngineConfig, SpeculativeConfig
 from specserve.config_file import load_config_file, pick
 from specserve.engine.engine import LLMEngine
 from specserve.kv.budget import plan_kv_pool
@@ -44,7 +44,8 @@ class LLM:
                  speculative_config: dict | SpeculativeConfig | None = _FROM_CONFIG, max_model_len: int | None = None,
                  max_num_seqs: int | None = None, seed: int = 0, loaded: LoadedModel | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | float | None = None,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True):
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 max_step_ms: float = DEFAULT_MAX_STEP_MS):
         file = load_config_file(config)
         if speculative_config is _FROM_CONFIG:
             speculative_config = file.get("speculative_config")
@@ -69,7 +70,8 @@ class LLM:
         self.engine_config = EngineConfig(
             max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            max_step_ms=max_step_ms)
         # Planned once, against the memory available before any pool exists, and passed on as
         # a block count: the draft model's pool and the target's then get the same size.
         self.kv_budget = plan_kv_pool(self.target, self.engine_config)

@@ -70,6 +70,30 @@ def test_stalls_do_not_rescale_the_model():
     assert m.num_rescales == 0 and m.base_time(8) == pytest.approx(5.8e-3, rel=0.05)
 
 
+def test_long_prompt_chunks_teach_the_attention_term_and_decodes_the_table():
+    """The probe read half the machine's price of a query-key pair: chunks of 32 prompt tokens
+    after 3,000 of context (mostly attention) move the pair price to the machine's, and leave
+    the table's knot at 32 tokens near where it was; a decode at short context barely moves
+    the pair price."""
+    m = PassCostModel([5e-3 + 1e-4 * k for k in KNOTS], per_query_key=1e-6)
+
+    def machine(shape: PassShape) -> float:
+        return 5e-3 + 1e-4 * shape.num_tokens + 2e-6 * shape.query_keys
+
+    chunk = PassShape(0)
+    chunk.add(32, 3000)
+    for _ in range(300):
+        m.observe(chunk, machine(chunk))
+    assert m.per_query_key == pytest.approx(2e-6, rel=0.05)
+    assert m.base_time(32) == pytest.approx(5e-3 + 32e-4, rel=0.1)
+    assert m.predict(chunk) == pytest.approx(machine(chunk), rel=0.01)
+    decode = PassShape(0)
+    decode.add(1, 10)
+    before = m.per_query_key
+    m.observe(decode, 3 * m.predict(decode))  # a slow decode step: the table's to learn from
+    assert m.per_query_key == pytest.approx(before, rel=1e-3) and m.base_time(1) > 5.1e-3
+
+
 @pytest.mark.parametrize("follow", [True, False])
 def test_a_slow_start_up_probe_does_not_keep_drafting_off(monkeypatch, follow):
     """After a probe taken under load, one-token steps teach the first knot the real speed; the
@@ -269,8 +293,8 @@ def test_reserved_draft_slots_follow_the_planner(tiny, monkeypatch):
     reserved = []
     orig = engine.scheduler.schedule
 
-    def schedule():
-        out = orig()
+    def schedule(*args):
+        out = orig(*args)
         reserved.extend(s.num_draft for s in out.decode)
         return out
     monkeypatch.setattr(engine.scheduler, "schedule", schedule)

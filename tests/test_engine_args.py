@@ -8,6 +8,7 @@ import pytest
 
 from specserve.bench.cli import parse_ks, parse_methods, speculative_configs
 from specserve.cli import build_parser, main
+from specserve.config import DEFAULT_MAX_STEP_MS, EngineConfig
 from specserve.config_file import CONFIG_FILE_KEYS, load_config_file
 from specserve.engine_args import engine_kwargs, load_kwargs, speculative_config
 from specserve.errors import InvalidParameterError
@@ -95,6 +96,19 @@ def test_defaults_without_a_file():
     assert engine == {"max_model_len": None, "max_num_seqs": 16}  # the rest: LLM's own defaults
     _, spec, _ = resolve("generate", "hi", "--speculative", "ngram", "--draft-model", "ignored")
     assert spec == {"method": "ngram", "num_speculative_tokens": "auto"}  # k: auto by default
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"]])
+def test_the_step_time_bound_is_a_flag_checked_at_the_edge(command):
+    _, _, engine = resolve(*command, "--max-step-ms", "50")
+    assert engine["max_step_ms"] == 50.0
+    _, _, engine = resolve(*command, "--max-step-ms", "0")  # off
+    assert engine["max_step_ms"] == 0.0
+    assert "max_step_ms" not in resolve(*command)[2]  # the default: EngineConfig's
+    for bad in (-1.0, float("nan"), True, "50"):
+        with pytest.raises(InvalidParameterError, match="max_step_ms=.*milliseconds"):
+            EngineConfig(max_model_len=64, max_num_seqs=1, max_step_ms=bad)
+    assert EngineConfig(max_model_len=64, max_num_seqs=1).max_step_ms == DEFAULT_MAX_STEP_MS
 
 
 def test_a_null_speculative_config_means_plain_decoding(tmp_path):

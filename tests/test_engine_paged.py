@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from specserve.engine.scheduler import MIN_PROMPT_CHUNK
 from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -84,8 +85,8 @@ def test_chunked_prefill_under_a_small_token_budget(tiny, prompts32, expected32,
         sched_tokens = []
         original = engine.scheduler.schedule
 
-        def spy():
-            out = original()
+        def spy(*args):
+            out = original(*args)
             sched_tokens.append(out.num_batched_tokens)
             return out
         engine.scheduler.schedule = spy
@@ -95,6 +96,47 @@ def test_chunked_prefill_under_a_small_token_budget(tiny, prompts32, expected32,
         chunked |= any(0 < r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running)
     assert chunked
     assert [engine.requests[str(i)].output_token_ids for i in range(32)] == expected32
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram"])
+def test_step_time_bound_chunks_prompts_beside_decodes_and_changes_nothing(tiny, name):
+    """A bound no step can keep (a microsecond): every prompt chunk computed beside a decoding
+    request is the minimum, the first of the step only; greedy outputs are each prompt's alone."""
+    prompts = ragged_prompts(4, seed=3, lo=2, hi=6) + ragged_prompts(8, seed=4, lo=40, hi=100)
+    expected = alone(tiny, prompts)
+    llm = LLM(loaded=tiny["loaded"], speculative_config=spec_of(tiny, name), max_num_seqs=6, max_model_len=128,
+              max_step_ms=1e-3)
+    engine = llm.engine
+    original = engine.scheduler.schedule
+    beside = []
+
+    def spy(predict):
+        out = original(predict)
+        if out.decode:
+            beside.append([s.num_new_tokens for s in out.prefill])
+        return out
+    engine.scheduler.schedule = spy
+    assert staggered(engine, prompts) == expected
+    assert any(beside) and all(len(c) <= 1 and all(n <= MIN_PROMPT_CHUNK for n in c) for c in beside)
+    assert_all_blocks_free(llm)
+    # The same with the bound off: prompts take the whole budget beside the decodes.
+    free = LLM(loaded=tiny["loaded"], speculative_config=spec_of(tiny, name), max_num_seqs=6, max_model_len=128,
+               max_step_ms=0)
+    assert free.engine.cost is None or name != "plain"
+    assert staggered(free.engine, prompts) == expected
+
+
+def staggered(engine, prompts: list[list[int]]) -> list[list[int]]:
+    """The short prompts first; the long ones arrive while those decode."""
+    for i, p in enumerate(prompts[:4]):
+        engine.add_request(str(i), p, GREEDY)
+    engine.step()
+    engine.step()
+    for i, p in enumerate(prompts[4:], 4):
+        engine.add_request(str(i), p, GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.requests[str(i)].output_token_ids for i in range(len(prompts))]
 
 
 def test_prefix_caching_on_a_shared_system_prompt(tiny):

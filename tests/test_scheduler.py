@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
+from specserve.engine.cost_model import PassShape
 from specserve.engine.request import Status
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import MIN_PROMPT_CHUNK, Scheduler
 
 
 @dataclass(eq=False)
@@ -39,10 +40,11 @@ def make(config: EngineConfig, num_blocks: int) -> Scheduler:
     return Scheduler(config, num_blocks)
 
 
-def fake_step(s: Scheduler, accept_drafts: int = 0, check=None):
+def fake_step(s: Scheduler, accept_drafts: int = 0, check=None, predict=None):
     """One schedule -> execute -> update round; `check` sees the scheduler output before the
-    step runs. Returns the output and the requests that finished."""
-    out = s.schedule()
+    step runs; `predict` is the pass cost the engine would hand the scheduler. Returns the
+    output and the requests that finished."""
+    out = s.schedule(predict)
     if check:
         check(out)
     done = []
@@ -64,12 +66,12 @@ def fake_step(s: Scheduler, accept_drafts: int = 0, check=None):
     return out, done
 
 
-def run_all(s: Scheduler, reqs, max_steps=10_000, accept_drafts=0, check=None):
+def run_all(s: Scheduler, reqs, max_steps=10_000, accept_drafts=0, check=None, predict=None):
     for r in reqs:
         s.add(r)
     finished, steps = [], 0
     while s.has_unfinished():
-        out, done = fake_step(s, accept_drafts, check)
+        out, done = fake_step(s, accept_drafts, check, predict)
         finished += done
         steps += 1
         assert steps < max_steps, "a request starved"
@@ -195,3 +197,114 @@ def test_prefix_hits_skip_computed_blocks():
     out, _ = fake_step(s)
     assert out.prefill[0].num_new_tokens == 3  # the 3 cached system blocks (48 tokens) were skipped
     assert s.pool.prefix_cache_stats().hit_blocks == 3
+
+
+# ---- the step-time bound ---------------------------------------------------------------------
+
+def attention_heavy(shape: PassShape) -> float:
+    """A made-up machine where prompt tokens are dear and dearer with context: 2 ms a pass,
+    0.1 ms a token, 1 us a query-key pair."""
+    return 2e-3 + 1e-4 * shape.num_tokens + 1e-6 * shape.query_keys
+
+
+def step_shape(out) -> PassShape:
+    shape = PassShape(0)
+    for sr in out.scheduled:
+        shape.add(sr.num_new_tokens + sr.num_draft, sr.request.num_computed_tokens)
+    return shape
+
+
+def bounded(max_step_ms: float, budget: int = 2048) -> Scheduler:
+    cfg = EngineConfig(max_model_len=4096, max_num_seqs=4, max_num_batched_tokens=budget,
+                       enable_prefix_caching=False, max_step_ms=max_step_ms)
+    return make(cfg, 600)
+
+
+def start_decoding(s: Scheduler, **kw) -> FakeRequest:
+    d = FakeRequest("d", prompt(5), max_new=10_000, **kw)
+    s.add(d)
+    fake_step(s, predict=attention_heavy)  # its prompt and first token: it decodes from now on
+    return d
+
+
+def test_prompt_chunks_keep_a_decoding_step_within_the_bound_and_shrink_with_context():
+    s = bounded(max_step_ms=50)
+    start_decoding(s)
+    long = FakeRequest("long", prompt(3000, seed=1), max_new=1)
+    s.add(long)
+    chunks = []
+
+    def check(out):
+        assert out.decode[0].request.request_id == "d"  # the stream gets a token every step
+        if not out.prefill:  # the prompt's last token alone (a chunk left one): it samples as a decode does
+            chunks.append(1)
+            return
+        (chunk,) = out.prefill
+        n, left = chunk.num_new_tokens, 3000 - long.num_computed_tokens
+        chunks.append(n)
+        shape = step_shape(out)
+        assert n == MIN_PROMPT_CHUNK or attention_heavy(shape) <= 0.050
+        if n < left:  # not the prompt's last chunk: the largest that fits
+            shape.add(1, long.num_computed_tokens + n)
+            assert n == MIN_PROMPT_CHUNK or attention_heavy(shape) > 0.050
+
+    while long.status is not Status.FINISHED:
+        fake_step(s, check=check, predict=attention_heavy)
+        s.kv.check_invariants()
+    assert sum(chunks) == 3000
+    assert chunks[:-1] == sorted(chunks[:-1], reverse=True)  # dearer with context: each chunk no larger
+    assert chunks[0] > 8 * chunks[-2]
+    assert chunks[-2] == MIN_PROMPT_CHUNK  # late in the prompt even the minimum is over the bound
+
+
+def test_without_a_decoding_request_the_whole_token_budget_is_used():
+    s = bounded(max_step_ms=50, budget=512)
+    long = FakeRequest("long", prompt(1200, seed=1), max_new=1)
+    s.add(long)
+    out, _ = fake_step(s, predict=attention_heavy)
+    assert [sr.num_new_tokens for sr in out.prefill] == [512]  # predicted ~0.2 s: no stream waits on it
+    # The same with the bound off, or without a cost prediction, and a stream decoding.
+    for ms, predict in ((0, attention_heavy), (50, None)):
+        s = bounded(max_step_ms=ms, budget=512)
+        start_decoding(s)
+        s.add(FakeRequest("long", prompt(1200, seed=1), max_new=1))
+        out, _ = fake_step(s, predict=predict)
+        assert [sr.num_new_tokens for sr in out.prefill] == [511] and len(out.decode) == 1
+
+
+def test_a_prompt_always_progresses_by_the_minimum_chunk_and_later_prompts_wait():
+    def everything_is_too_dear(shape: PassShape) -> float:
+        return 10.0
+
+    s = bounded(max_step_ms=50)
+    start_decoding(s)
+    first = FakeRequest("first", prompt(100, seed=1), max_new=2)
+    second = FakeRequest("second", prompt(100, seed=2), max_new=2)
+    s.add(first)
+    s.add(second)
+    out, _ = fake_step(s, predict=everything_is_too_dear)
+    assert [(sr.request.request_id, sr.num_new_tokens) for sr in out.prefill] == [("first", MIN_PROMPT_CHUNK)]
+    assert second.status is Status.WAITING  # the step was full: admission stops there, in order
+    for _ in range(30):  # 100 tokens in chunks of 16, then 2 decodes: each well within 30 steps
+        fake_step(s, predict=everything_is_too_dear)
+        s.kv.check_invariants()
+    assert first.status is Status.FINISHED and second.status is Status.FINISHED
+
+
+def test_reserved_drafts_count_in_the_step_and_a_second_prompt_gets_what_is_left():
+    s = bounded(max_step_ms=20)
+    start_decoding(s, num_speculative_tokens=8)
+    a = FakeRequest("a", prompt(400, seed=1), max_new=2)
+    b = FakeRequest("b", prompt(400, seed=2), max_new=2)
+    s.add(a)
+    s.add(b)
+    shapes = []
+    out, _ = fake_step(s, predict=attention_heavy, check=lambda o: shapes.append(step_shape(o)))
+    assert out.decode[0].num_draft == 8
+    chunks = {sr.request.request_id: sr.num_new_tokens for sr in out.prefill}
+    # d: 9 tokens; a: its chunk n costs 0.1 ms + ~n/2 us per token, so 2 + 0.9 + 0.1 n + n^2/2000 ms <= 20.
+    assert chunks["a"] == 109 and chunks["b"] == 1  # b: the 0.1 ms left
+    (shape,) = shapes
+    assert attention_heavy(shape) <= 0.020
+    shape.add(1, 1)
+    assert attention_heavy(shape) > 0.020

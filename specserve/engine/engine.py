@@ -75,8 +75,8 @@ class EngineStats:
     prefix_cache_hit_blocks: int = 0
     num_preemptions: int = 0
     num_steps: int = 0
-    # Adaptive speculation: request-steps by the draft depth chosen (index 0: no drafts), and
-    # the pass cost model's line; empty when drafts are not chosen per step.
+    # Adaptive speculation: request-steps by the draft depth chosen (index 0: no drafts), empty
+    # when drafts are not chosen per step; the pass cost model's line, empty without one.
     draft_depth_counts: tuple[int, ...] = ()
     cost_model: str = ""
 
@@ -91,7 +91,8 @@ class LLMEngine:
                  num_speculative_tokens: int = 0, typical_acceptance: TypicalAcceptance | None = None,
                  adaptive: bool = False, cost_model: PassCostModel | None = None):
         """num_speculative_tokens: k, or with `adaptive` the most a request may draft per step
-        (the planner chooses 0..k each step from `cost_model`, measured here when not given)."""
+        (the planner chooses 0..k each step from `cost_model`, measured here when not given).
+        The same cost model bounds each step's prompt chunks when config.max_step_ms is set."""
         self.target = target
         # Set: sampled requests verify drafts with the typical rule (lossy, opt-in); chains are
         # then verified as one-path trees.
@@ -110,11 +111,24 @@ class LLMEngine:
         # every run of an engine with this config's seed.
         self.seeds = random.Random(config.seed)
         self.planner: SpeculationPlanner | None = None
-        if adaptive and self.num_speculative_tokens:
+        plan = adaptive and self.num_speculative_tokens
+        cost = cost_model or (self._measure_cost() if plan or self._bounds_steps else None)
+        self._cost = None if plan else cost  # the planner owns it when there is one
+        if plan:
             width = self.proposer.num_draft_nodes(self.num_speculative_tokens) / self.num_speculative_tokens
-            self.planner = SpeculationPlanner(cost_model or self._measure_cost(), self.num_speculative_tokens,
-                                              tokens_per_depth=width)
+            self.planner = SpeculationPlanner(cost, self.num_speculative_tokens, tokens_per_depth=width)
         self.num_steps = 0
+
+    @property
+    def cost(self) -> PassCostModel | None:
+        """The pass cost model: the planner's, or the step-time bound's own (None: neither)."""
+        return self.planner.cost if self.planner is not None else self._cost
+
+    @property
+    def _bounds_steps(self) -> bool:
+        """Whether prompt chunks are cut by predicted step time (a request can decode beside
+        a prompt only with room for two)."""
+        return bool(self.config.max_step_ms) and self.config.max_num_seqs > 1
 
     def _measure_cost(self) -> PassCostModel:
         """The target's pass cost on this machine, timed on scratch KV slots (no request holds
@@ -131,7 +145,11 @@ class LLMEngine:
             self.runner.forward_rows(ForwardBatch(tables, starts, tokens, all_logits=False), [1] * len(requests))
             self.runner.synchronize()
 
-        probe = min(128, self.config.max_num_batched_tokens, self.config.max_num_seqs * (1 + self.num_speculative_tokens))
+        # Up to the tokens a step of drafts reaches; with the step-time bound, also a prompt
+        # chunk's (~16-64 tokens at 100 ms on the 2-core CPU).
+        chunk = 64 if self._bounds_steps else 0
+        probe = min(128, self.config.max_num_batched_tokens,
+                    max(chunk, self.config.max_num_seqs * (1 + self.num_speculative_tokens)))
         context = min(1024, blocks * bs, self.config.max_model_len) - 16
         return PassCostModel.measure(run, probe, context)
 
@@ -235,7 +253,7 @@ class LLMEngine:
             prefix_cache_queried_blocks=cache.queried_blocks, prefix_cache_hit_blocks=cache.hit_blocks,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             draft_depth_counts=tuple(self.planner.chosen) if self.planner else (),
-            cost_model=self.planner.cost.describe() if self.planner else "")
+            cost_model=self.cost.describe() if self.cost else "")
 
     # ---- one step --------------------------------------------------------------------------
     #
@@ -248,7 +266,7 @@ class LLMEngine:
     # alone to find the one it failed for.
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self.cost.predict if self.cost is not None else None)
         for r in sched.preempted:  # its draft state restarts with the recomputed request
             self._forget_drafts(r)
         if sched.empty:
@@ -318,11 +336,14 @@ class LLMEngine:
             self.runner.cache.move(*(list(m) for m in zip(*moved)))
         self.runner.synchronize()
         t2 = time.perf_counter()
-        if learn and self.planner is not None:
+        if learn and self.cost is not None:
             shape = PassShape(0)
             for c, toks in zip(starts, tokens):
                 shape.add(len(toks), c)
-            self.planner.observe_step(shape, t2 - t1, t1 - t0, deepest)
+            if self.planner is not None:
+                self.planner.observe_step(shape, t2 - t1, t1 - t0, deepest)
+            else:
+                self.cost.observe(shape, t2 - t1)
         decoding = [s.decode for s in scheduled]
         share = max(1, sum(decoding))
         computed = []

@@ -15,16 +15,32 @@ Policy, per step, under `max_num_batched_tokens` and `max_num_seqs`:
   2. then waiting requests, first come first served, each taking its cached prefix (prefix
      caching) and a first chunk; admission stops at the first request that does not fit, so a
      large request at the head is never overtaken forever (no starvation).
+
+Step time: while any running request decodes, its next token waits for the whole step, so
+prompt chunks are also cut to keep the step's predicted time within `max_step_ms`. The engine
+hands `schedule` its pass cost model's prediction (a function of the step's PassShape); a
+prompt token costs more the longer its prefix (attention), so a long prompt's chunks shrink as
+it progresses. The step's first prompt chunk takes at least MIN_PROMPT_CHUNK tokens, whatever
+the prediction, so prompts always progress; later ones only what fits. With no request
+decoding, chunks take the whole token budget (throughput).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specserve.config import EngineConfig
+from specserve.engine.cost_model import PassShape
 from specserve.kv.block_manager import BlockPool, KVCacheManager
 from specserve.engine.request import Request, Status
+
+# The fewest tokens the step's first prompt chunk takes under the step-time bound: a pass costs
+# its weights' read whatever it computes (~3.5 ms for the embedded model on the 2-core CPU,
+# against ~1.2 ms for a prompt token after 1,000 tokens of context), so smaller chunks would
+# spend the prompt's time on passes; 16 is also one KV block, which the prefix cache shares.
+MIN_PROMPT_CHUNK = 16
 
 
 @dataclass(slots=True)
@@ -79,9 +95,13 @@ class Scheduler:
     def block_table(self, request: Request) -> list[int]:
         return self.kv.block_table(request.request_id)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, predict: Callable[[PassShape], float] | None = None) -> SchedulerOutput:
+        """The next step. `predict`: seconds a pass of that shape is expected to take (the
+        engine's cost model); with it and `max_step_ms`, prompt chunks keep a step that has a
+        decoding request within the bound (module note)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        limit = _StepLimit.of(self, predict)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -90,6 +110,11 @@ class Scheduler:
                 n, drafts = 1, min(req.max_drafts(self.config.max_model_len), budget - 1)
             else:
                 n, drafts = min(to_compute, budget), 0
+                if limit is not None:
+                    n = limit.chunk(req.num_computed_tokens, n, first=not out.prefill)
+                    if n == 0:  # the step is full: the prompt goes on next step
+                        i += 1
+                        continue
             while not self.kv.can_allocate(req.request_id, n + drafts):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -108,7 +133,9 @@ class Scheduler:
             req = self.waiting[0]
             _, cached = self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
             n = min(req.num_tokens - cached, budget)
-            if not self.kv.can_allocate(req.request_id, n):
+            if limit is not None:
+                n = limit.chunk(cached, n, first=not out.prefill)
+            if n == 0 or not self.kv.can_allocate(req.request_id, n):
                 self.kv.free(req.request_id)  # its prefix hits stay cached, evictable
                 break
             self.kv.allocate_slots(req.request_id, n)
@@ -153,3 +180,46 @@ class Scheduler:
             self.kv.free(request.request_id)
         elif request in self.waiting:
             self.waiting.remove(request)
+
+
+@dataclass(slots=True)
+class _StepLimit:
+    """The step-time bound of one `schedule` call: the pass so far (every decoding request's
+    token and reserved drafts, then each prompt chunk as it is chosen) and its prediction."""
+
+    predict: Callable[[PassShape], float]
+    seconds: float
+    shape: PassShape  # the step's pass as scheduled so far
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, predict: Callable[[PassShape], float] | None) -> "_StepLimit | None":
+        """None unless the bound is on and some running request decodes this step."""
+        ms, mml = scheduler.config.max_step_ms, scheduler.config.max_model_len
+        if predict is None or not ms:
+            return None
+        shape = PassShape(0)
+        for r in scheduler.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                shape.add(1 + r.max_drafts(mml), r.num_computed_tokens)
+        return cls(predict, ms / 1e3, shape) if shape.num_tokens else None
+
+    def chunk(self, context: int, most: int, first: bool) -> int:
+        """Tokens of a prompt at `context` computed tokens that fit the step (at most `most`;
+        at least MIN_PROMPT_CHUNK, or `most` if fewer, when it is the step's first chunk),
+        added to the step's pass."""
+        lo = min(most, MIN_PROMPT_CHUNK) if first else 0
+        hi = most + 1  # the prediction grows with the chunk: bisect for the largest that fits
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self._fits(mid, context):
+                lo = mid
+            else:
+                hi = mid
+        if lo:
+            self.shape.add(lo, context)
+        return lo
+
+    def _fits(self, n: int, context: int) -> bool:
+        shape = PassShape(self.shape.num_tokens, self.shape.keys_read, self.shape.query_keys)
+        shape.add(n, context)
+        return self.predict(shape) <= self.seconds
