@@ -3,83 +3,68 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
 
 from specserve.errors import InvalidParameterError
-from specserve.spec.layer_set import check_skip_layers
-from specserve.spec.lookahead import DEFAULT_CANDIDATES, DEFAULT_NGRAM, DEFAULT_WINDOW, check_lookahead_params
-from specserve.spec.ngram import check_lookup_params, check_num_branches
-from specserve.spec.suffix import (DEFAULT_CACHE_TOKENS, DEFAULT_MIN_TOKEN_PROB, DEFAULT_SPEC_FACTOR,
-                                   DEFAULT_TREE_DEPTH, check_suffix_params)
+from specserve.spec.registry import BUILTIN_METHODS, PATH_METHODS, method_names, method_spec, owners
 
-# Every drafting method, by the name speculative_config's "method" takes. The command-line
-# choices (engine_args, bench, tune) are derived from these two tuples.
-SPEC_METHODS = ("ngram", "suffix", "self_spec", "draft_model", "eagle", "medusa", "lookahead")
-# Methods that need a path in speculative_config's "model" (bench and tune: METHOD:PATH).
-PATH_METHODS = ("draft_model", "eagle", "medusa")
+# Every built-in drafting method, by the name speculative_config's "method" takes, and those that
+# need a path in its "model" (bench and tune: METHOD:PATH). The command-line choices (engine_args,
+# bench, tune) are derived from these. Each method's own keys live in its module (spec/registry.py).
+SPEC_METHODS = tuple(BUILTIN_METHODS)
 # Beyond this a draft is almost never accepted in full and the verify pass stops being cheap.
 MAX_SPECULATIVE_TOKENS = 32
-# Trained drafters (a `specserve train-draft` folder in `model`), which draft token trees.
-DRAFTER_METHODS = ("eagle", "medusa")
-MAX_DRAFT_NODES = 128  # tree nodes verified per step
-MAX_DRAFT_TOPK = 32
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
-# num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per request
-# and step from its measured pass cost and each request's acceptance (engine/adaptive.py). A
-# draft model or EAGLE drafts one depth per small pass, so their caps are lower.
-# Suffix decoding drafts whole remembered continuations: long drafts pay when it matches well.
-# Lookahead's cap is its whole tree's depth W + N - 2 (SpeculativeConfig.k; listed for its defaults).
-AUTO_MAX_SPECULATIVE_TOKENS = {"ngram": 8, "suffix": 16, "draft_model": 6, "eagle": 6, "medusa": 4, "self_spec": 6,
-                               "lookahead": 2}
-# On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
-# cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
-DEFAULT_EAGLE_NODES = 8
+
+
+class _AutoMax(dict):
+    """num_speculative_tokens="auto" (the default): the engine chooses 0..this many drafts per
+    request and step from its measured pass cost and each request's acceptance (engine/adaptive.py),
+    by method with its default options: each method's MethodSpec.auto_max_k, read on demand so that
+    naming one method imports only its module."""
+
+    def __missing__(self, name: str) -> int:
+        spec = method_spec(name)
+        return spec.auto_cap(spec.options_cls())
+
+
+AUTO_MAX_SPECULATIVE_TOKENS: dict[str, int] = _AutoMax()
+# The keys every method takes; the rest of a flat speculative_config belongs to the method's options.
+SHARED_KEYS = ("method", "num_speculative_tokens", "max_speculative_tokens", "model", "acceptance_method",
+               "posterior_threshold", "posterior_alpha")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    """What `speculative_config={...}` accepts, with vLLM's key names."""
+    """What `speculative_config={...}` accepts, with vLLM's key names: the keys every method takes
+    here, the method's own in `options` (its module's dataclass; `from_dict` routes a flat dict's
+    keys there, and a method's key reads as an attribute here too: `spec.prompt_lookup_max`)."""
 
     method: str
     # An integer k: every request drafts up to k tokens each step. "auto": the engine chooses
     # 0..max_speculative_tokens per request and step, to maximise committed tokens per second.
     num_speculative_tokens: int | str = "auto"
-    max_speculative_tokens: int | None = None  # "auto"'s cap; None: AUTO_MAX_SPECULATIVE_TOKENS[method]
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
+    max_speculative_tokens: int | None = None  # "auto"'s cap; None: the method's (MethodSpec.auto_max_k)
     model: str | None = None  # the draft model for "draft_model"; the drafter folder for "eagle" and "medusa"
-    # n-gram: continuations of several earlier occurrences drafted as the branches of one token
-    # tree, verified in one pass (1: a single chain). num_speculative_tokens is then its depth.
-    num_branches: int = 1
-    # suffix: longest suffix matched (and so the depth of its trees), the global tree's size in
-    # tokens of earlier outputs (0: none), draft depth per matched token, and the smallest
-    # estimated probability of a drafted node.
-    suffix_tree_depth: int = DEFAULT_TREE_DEPTH
-    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS
-    suffix_spec_factor: float = DEFAULT_SPEC_FACTOR
-    suffix_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
-    # eagle, medusa: draft-tree nodes verified per step (num_speculative_tokens is the tree's
-    # depth); None: eagle DEFAULT_EAGLE_NODES, medusa the tree chosen when it was trained.
-    num_draft_nodes: int | None = None
-    # eagle: children kept per expanded node, and nodes expanded per depth (EAGLE-2's top-k).
-    draft_topk: int = 2
     # "typical_acceptance_sampler": Medusa's typical acceptance for sampled requests, LOSSY (the
     # output no longer has exactly the target's distribution; greedy output is unchanged).
     # Off by default: "rejection_sampler" keeps every output exactly the target's.
-    # lookahead: the window's columns W, the n-gram size N (the window has N - 1 levels) and the
-    # verification candidates G per step (spec/lookahead.py); None: that method's defaults.
-    lookahead_window: int | None = None
-    lookahead_ngram: int | None = None
-    lookahead_candidates: int | None = None
     acceptance_method: str = "rejection_sampler"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
-    # self_spec: the target's decoder layers its draft skips; None: the model's layer set
-    # (spec/layer_set.py: next to the model, or shipped for the embedded one).
-    skip_layers: tuple[int, ...] | None = None
+    # The method's own options (its MethodSpec.options_cls); None: its defaults.
+    options: Any = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise InvalidParameterError("speculative_config.method", self.method, f"must be one of {', '.join(SPEC_METHODS)}")
+        if self.method not in method_names():
+            raise InvalidParameterError("speculative_config.method", self.method,
+                                        f"must be one of {', '.join(method_names())}")
+        spec = method_spec(self.method)
+        if self.options is None:
+            object.__setattr__(self, "options", spec.options_cls())
+        elif not isinstance(self.options, spec.options_cls):
+            raise InvalidParameterError("speculative_config.options", self.options,
+                                        f"must be a {spec.options_cls.__name__} for method {self.method!r}")
         for name in ("num_speculative_tokens", "max_speculative_tokens"):
             k = getattr(self, name)
             if (name == "num_speculative_tokens" and k == "auto") or (name == "max_speculative_tokens" and k is None):
@@ -90,43 +75,23 @@ class SpeculativeConfig:
         if self.max_speculative_tokens is not None and not self.adaptive:
             raise InvalidParameterError("max_speculative_tokens", self.max_speculative_tokens,
                                         "applies with num_speculative_tokens='auto' only (a fixed k is its own cap)")
-        if self.method == "ngram":
-            check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
-        check_num_branches(self.num_branches)
-        check_suffix_params(self.suffix_tree_depth, self.suffix_cache_tokens, self.suffix_spec_factor,
-                            self.suffix_min_token_prob)
-        suffix_keys = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
-        changed = [k for k in suffix_keys if getattr(self, k) != SpeculativeConfig.__dataclass_fields__[k].default]
-        if changed and self.method != "suffix":
-            raise InvalidParameterError(changed[0], getattr(self, changed[0]), "applies to method 'suffix' only")
-        if self.num_branches > 1 and self.method != "ngram":
-            raise InvalidParameterError("num_branches", self.num_branches, "applies to method 'ngram' only (1 otherwise)")
-        knobs = {"lookahead_window": self.lookahead_window, "lookahead_ngram": self.lookahead_ngram,
-                 "lookahead_candidates": self.lookahead_candidates}
-        if self.method == "lookahead":
-            check_lookahead_params(*self.lookahead_params)
-        elif given := [k for k, v in knobs.items() if v is not None]:
-            raise InvalidParameterError(given[0], knobs[given[0]], "applies to method 'lookahead' only (leave it unset)")
-        if self.method == "draft_model" and not self.model:
-            raise InvalidParameterError("speculative_config.model", self.model, "method 'draft_model' needs the draft model's path")
-        if self.method in DRAFTER_METHODS and not self.model:
-            raise InvalidParameterError("speculative_config.model", self.model,
-                                        f"method {self.method!r} needs the folder `specserve train-draft` wrote")
-        if self.skip_layers is not None:
-            if self.method != "self_spec":
-                raise InvalidParameterError("skip_layers", self.skip_layers, "applies to method 'self_spec' only")
-            object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, None, "skip_layers"))
-        n, topk = self.num_draft_nodes, self.draft_topk
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_NODES):
-            raise InvalidParameterError("num_draft_nodes", n, f"must be an integer in [1, {MAX_DRAFT_NODES}] or None")
-        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_DRAFT_TOPK:
-            raise InvalidParameterError("draft_topk", topk, f"must be an integer in [1, {MAX_DRAFT_TOPK}]")
+        if spec.needs_model and not self.model:
+            raise InvalidParameterError("speculative_config.model", self.model, spec.needs_model)
         if self.acceptance_method not in ACCEPTANCE_METHODS:
             raise InvalidParameterError("acceptance_method", self.acceptance_method, f"must be one of {', '.join(ACCEPTANCE_METHODS)}")
         for name in ("posterior_threshold", "posterior_alpha"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 raise InvalidParameterError(name, v, "must be a number in (0, 1]")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names that are not fields: the method's own keys, read from its options.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return getattr(object.__getattribute__(self, "options"), name)
+        except AttributeError:
+            raise AttributeError(f"{type(self).__name__} for method {self.method!r} has no attribute {name!r}") from None
 
     @property
     def adaptive(self) -> bool:
@@ -137,17 +102,7 @@ class SpeculativeConfig:
         """The fixed k, or "auto"'s cap."""
         if not self.adaptive:
             return self.num_speculative_tokens
-        if self.method == "lookahead" and self.max_speculative_tokens is None:
-            window, ngram, _ = self.lookahead_params
-            return window + ngram - 2  # deeper, nothing is drafted
-        return self.max_speculative_tokens or AUTO_MAX_SPECULATIVE_TOKENS[self.method]
-
-    @property
-    def lookahead_params(self) -> tuple[int, int, int]:
-        """(W, N, G), each as given or its default."""
-        return (DEFAULT_WINDOW if self.lookahead_window is None else self.lookahead_window,
-                DEFAULT_NGRAM if self.lookahead_ngram is None else self.lookahead_ngram,
-                DEFAULT_CANDIDATES if self.lookahead_candidates is None else self.lookahead_candidates)
+        return self.max_speculative_tokens or method_spec(self.method).auto_cap(self.options)
 
     @property
     def lossy(self) -> bool:
@@ -155,17 +110,34 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict | "SpeculativeConfig" | None) -> "SpeculativeConfig | None":
+        """A flat dict (vLLM's shape: {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 4}) with the method's own keys routed to its options. A key of another
+        method is refused, naming the method it applies to, unless it has that method's default."""
         if d is None or isinstance(d, cls):
             return d
         if not isinstance(d, dict):
             raise InvalidParameterError("speculative_config", d, "must be a dict such as {'method': 'ngram', 'num_speculative_tokens': 'auto'}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise InvalidParameterError("speculative_config", unknown, f"unknown keys; allowed: {', '.join(sorted(known))}")
         if "method" not in d:
-            raise InvalidParameterError("speculative_config.method", None, f"is required; one of {', '.join(SPEC_METHODS)}")
-        return cls(**d)
+            raise InvalidParameterError("speculative_config.method", None, f"is required; one of {', '.join(method_names())}")
+        method = d["method"]
+        if method not in method_names():
+            raise InvalidParameterError("speculative_config.method", method, f"must be one of {', '.join(method_names())}")
+        spec = method_spec(method)
+        own = {f.name for f in fields(spec.options_cls)}
+        shared = {k: v for k, v in d.items() if k in SHARED_KEYS}
+        options = {k: v for k, v in d.items() if k in own}
+        for key in sorted(set(d) - set(shared) - own):
+            applies = owners(key)
+            if not applies:
+                allowed = sorted({*SHARED_KEYS, *(f.name for m in method_names()
+                                                  for f in fields(method_spec(m).options_cls))})
+                raise InvalidParameterError("speculative_config", sorted(set(d) - set(allowed)),
+                                            f"unknown keys; allowed: {', '.join(allowed)}")
+            if all(method_spec(m).option_defaults().get(key, object()) == d[key] for m in applies):
+                continue  # another method's default: it changes nothing
+            names = " or ".join(repr(m) for m in applies)
+            raise InvalidParameterError(key, d[key], f"applies to method {names} only (method is {method!r})")
+        return cls(**shared, options=spec.options_cls(**options))
 
 
 # EngineConfig.max_step_ms's default (its comment gives the measurement).

@@ -10,6 +10,7 @@ functions below resolve them.
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from specserve.config import PATH_METHODS, SPEC_METHODS
 from specserve.config_file import pick
@@ -24,13 +25,8 @@ SUFFIX_KEYS = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor",
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
 SELF_SPEC_KEYS = ("skip_layers",)
 LOOKAHEAD_KEYS = ("lookahead_window", "lookahead_ngram", "lookahead_candidates")
-# The speculative_config keys each method's command-line flags set (besides method,
-# num_speculative_tokens and the acceptance keys, which every method takes).
-_METHOD_KEYS = {"ngram": LOOKUP_KEYS, "suffix": SUFFIX_KEYS, "draft_model": ("model",), "eagle": ("model", *TREE_KEYS),
-                "medusa": ("model", *TREE_KEYS), "self_spec": SELF_SPEC_KEYS,
-                "lookahead": LOOKAHEAD_KEYS}
 # Every method's own keys that a command-line flag sets (generate, serve and bench take them all).
-FLAG_KEYS = tuple(dict.fromkeys(k for keys in _METHOD_KEYS.values() for k in keys if k != "model"))
+FLAG_KEYS = (*LOOKUP_KEYS, *SUFFIX_KEYS, *TREE_KEYS, *SELF_SPEC_KEYS, *LOOKAHEAD_KEYS)
 # The engine arguments a command may have, as LLM's keyword arguments.
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_step_ms", "block_size", "num_kv_blocks",
                "enable_prefix_caching")
@@ -200,10 +196,21 @@ def merge_speculative(flags: dict, base: dict | None) -> dict | None:
     if method == "none":
         return None
     cfg = dict(base) if base is not None and base.get("method") == method else {"method": method}
-    keys = ("num_speculative_tokens", *TYPICAL_KEYS, *_METHOD_KEYS[method])
+    keys = ("num_speculative_tokens", *TYPICAL_KEYS, *method_keys(method))
     cfg.update({k: v for k, v in flags.items() if k in keys})
     cfg.setdefault("num_speculative_tokens", AUTO)
     return cfg
+
+
+def method_keys(method: str) -> tuple[str, ...]:
+    """The speculative_config keys of `method` that flags set (besides method,
+    num_speculative_tokens and the acceptance keys, which every method takes): its options'
+    fields (in its module), and "model" for a method that drafts from a file."""
+    from specserve.spec.registry import method_names, method_spec
+    if method not in method_names():
+        return ()  # SpeculativeConfig.from_dict names the allowed methods
+    spec = method_spec(method)
+    return (*(("model",) if spec.needs_model else ()), *(f.name for f in fields(spec.options_cls)))
 
 
 def engine_kwargs(args: argparse.Namespace, file: dict) -> dict:

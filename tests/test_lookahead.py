@@ -177,7 +177,7 @@ def test_feedback_row_keeps_node_predictions():
 ])
 def test_lookahead_settings_are_checked(key, value, allowed):
     with pytest.raises(InvalidParameterError, match=f"{key}.*{allowed}"):
-        SpeculativeConfig(method="lookahead", **{key: value})
+        SpeculativeConfig.from_dict({"method": "lookahead", key: value})
     with pytest.raises(InvalidParameterError, match=allowed):
         check_lookahead_params(**{"window": 2, "ngram": 3, "candidates": 2,
                                   key.removeprefix("lookahead_"): value})
@@ -185,7 +185,7 @@ def test_lookahead_settings_are_checked(key, value, allowed):
 
 def test_lookahead_settings_apply_to_lookahead_only():
     with pytest.raises(InvalidParameterError, match="lookahead_ngram.*method 'lookahead' only"):
-        SpeculativeConfig(method="ngram", lookahead_ngram=4)
+        SpeculativeConfig.from_dict({"method": "ngram", "lookahead_ngram": 4})
     cfg = SpeculativeConfig.from_dict({"method": "lookahead", "lookahead_window": 4})
     assert cfg.lookahead_params == (4, 3, 2) and cfg.adaptive
     assert cfg.k == 4 + 3 - 2  # auto's cap: the whole tree's depth

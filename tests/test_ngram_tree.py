@@ -76,5 +76,5 @@ def test_num_branches_is_checked():
         with pytest.raises(InvalidParameterError, match="num_branches"):
             NgramProposer(num_branches=bad)
     with pytest.raises(InvalidParameterError, match="ngram' only"):
-        SpeculativeConfig(method="draft_model", model="x", num_branches=2)
-    assert SpeculativeConfig(method="ngram", num_branches=4).num_branches == 4
+        SpeculativeConfig.from_dict({"method": "draft_model", "model": "x", "num_branches": 2})
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_branches": 4}).num_branches == 4

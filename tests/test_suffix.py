@@ -169,9 +169,9 @@ def test_request_tree_follows_a_changed_sequence():
 ])
 def test_suffix_knobs_are_checked(key, value, needle):
     with pytest.raises(InvalidParameterError, match=needle):
-        SpeculativeConfig(method="suffix", **{key: value})
+        SpeculativeConfig.from_dict({"method": "suffix", key: value})
     with pytest.raises(InvalidParameterError, match="applies to method 'suffix' only"):
-        SpeculativeConfig(method="ngram", suffix_tree_depth=8)
+        SpeculativeConfig.from_dict({"method": "ngram", "suffix_tree_depth": 8})
 
 
 # ---- in the engine -------------------------------------------------------------------------

@@ -175,11 +175,11 @@ def run_bench(args) -> int:
     from specserve.bench.runner import SpecserveRunner, measure, report
     from specserve.bench.throughput import run_throughput
     from specserve.bench.workload import Selection, load_workload, select
-    from specserve.config import SpeculativeConfig
     from specserve.config_file import load_config_file
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.sampling_params import SamplingParams
+    from specserve.spec.ngram import NgramOptions
 
     # Everything the user typed is checked before seconds go into loading models.
     methods, ks, peers = parse_methods(args.methods), parse_ks(args.num_speculative_tokens), parse_peers(args.peers)
@@ -192,7 +192,7 @@ def run_bench(args) -> int:
     if args.plot and not spec_configs and concurrency is None:
         raise InvalidParameterError("plot", args.plot, "draws speculative methods against plain decoding; name one "
                                     "in --methods, or sweep --concurrency")
-    defaults = {f.name: f.default for f in fields(SpeculativeConfig)}
+    defaults = {f.name: f.default for f in fields(NgramOptions)}
     lookup = {k: flags.get(k, defaults[k]) for k in engine_args.LOOKUP_KEYS}
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed)
     selection = Selection.from_text(args.categories, args.per_category, args.limit)

@@ -7,6 +7,7 @@ verifier needs no draft probabilities."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -15,10 +16,11 @@ from specserve.kv.block_manager import BlockPool, KVCacheManager
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError
-from specserve.model.loader import LoadedModel
+from specserve.model.loader import LoadedModel, load_model
 from specserve.sample import SamplingTensors, processed_probs, race_rows
 from specserve.drafts import DraftProposal, SpecRequest
 from specserve.spec.proposer import Proposer
+from specserve.spec.registry import MethodSpec
 
 
 def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
@@ -166,3 +168,28 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         i += 1
     return i
 
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModelOptions:
+    """draft_model has no keys of its own: the draft model's path is speculative_config's "model"."""
+
+
+def _build(options: DraftModelOptions, model: str | None, target: LoadedModel,
+           engine: EngineConfig) -> DraftModelProposer:
+    # The draft runs on the target's path: the native kernels for a native target (its own
+    # blocks if it is a quantized GGUF, else the target's int8 / int4), else the torch path in
+    # the target's dtype.
+    if getattr(target.model, "native", False):
+        mode = target.model.quantization
+        draft = load_model(model, device=target.model.device, quantization="auto" if mode == "gguf" else mode,
+                           max_model_len=engine.max_model_len)
+    else:
+        draft = load_model(model, dtype=target.model.dtype, device=target.model.device, quantization="none",
+                           max_model_len=engine.max_model_len)
+    return DraftModelProposer(draft, target, engine)
+
+
+# A draft model drafts one token per small pass, so its cap is lower than n-gram's.
+METHOD = MethodSpec("draft_model", DraftModelOptions, _build, auto_max_k=6,
+                    needs_model="method 'draft_model' needs the draft model's path")

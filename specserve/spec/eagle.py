@@ -21,12 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import EngineConfig
+from specserve.errors import InvalidParameterError
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
 from specserve.spec.heads import Drafter
 from specserve.spec.heads.eagle_kv import EagleKV
 from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.spec.medusa import check_num_draft_nodes
 from specserve.spec.proposer import Proposer
+from specserve.spec.registry import MethodSpec
 from specserve.drafts.tree import DraftTree
 
 # A catch-up of at most this many positions (a decode step's accepted path) shares a padded
@@ -203,3 +206,36 @@ class EagleProposer(Proposer):
             par = parents[b].tolist()
             trees.append(DraftTree([int(tokens[b, c]) for c in chosen], [node_of.get(par[c], -1) for c in chosen]))
         return trees
+
+
+MAX_DRAFT_TOPK = 32
+# On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
+# cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
+DEFAULT_EAGLE_NODES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class EagleOptions:
+    """speculative_config's eagle keys: draft-tree nodes verified per step (num_speculative_tokens
+    is the tree's depth; None: DEFAULT_EAGLE_NODES), and children kept per expanded node, nodes
+    expanded per depth (EAGLE-2's top-k)."""
+
+    num_draft_nodes: int | None = None
+    draft_topk: int = 2
+
+    def __post_init__(self) -> None:
+        check_num_draft_nodes(self.num_draft_nodes)
+        topk = self.draft_topk
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_DRAFT_TOPK:
+            raise InvalidParameterError("draft_topk", topk, f"must be an integer in [1, {MAX_DRAFT_TOPK}]")
+
+
+def _build(options: EagleOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> EagleProposer:
+    from specserve.spec.heads.drafter import drafter_path, load_drafter
+    return EagleProposer(load_drafter(drafter_path(model, "eagle"), target), target, engine,
+                         max_nodes=options.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=options.draft_topk)
+
+
+# EAGLE drafts one depth per small pass, so its cap is lower than n-gram's.
+METHOD = MethodSpec("eagle", EagleOptions, _build, auto_max_k=6,
+                    needs_model="method 'eagle' needs the folder `specserve train-draft` wrote")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from specserve.drafts import DraftTree, DraftTreeProposal, SpecRequest, VerifyFeedback
 from specserve.errors import InvalidParameterError
 from specserve.spec.proposer import Proposer
+from specserve.spec.registry import MethodSpec
 
 MAX_WINDOW = 16
 MAX_NGRAM = 8
@@ -280,3 +281,35 @@ class LookaheadProposer(Proposer):
             state = self.states.get(rid)
             if state is not None:
                 state.observe(preds[i] if preds is not None else None, len(feedback.committed_token_ids[i]))
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadOptions:
+    """speculative_config's lookahead keys: the window's columns W, the n-gram size N (the
+    window has N - 1 levels) and the verification candidates G per step; None: the defaults."""
+
+    lookahead_window: int | None = None
+    lookahead_ngram: int | None = None
+    lookahead_candidates: int | None = None
+
+    def __post_init__(self) -> None:
+        check_lookahead_params(*self.lookahead_params)
+
+    @property
+    def lookahead_params(self) -> tuple[int, int, int]:
+        """(W, N, G), each as given or its default."""
+        return (DEFAULT_WINDOW if self.lookahead_window is None else self.lookahead_window,
+                DEFAULT_NGRAM if self.lookahead_ngram is None else self.lookahead_ngram,
+                DEFAULT_CANDIDATES if self.lookahead_candidates is None else self.lookahead_candidates)
+
+
+def _build(options: LookaheadOptions, model: str | None, target: object, engine: object) -> LookaheadProposer:
+    return LookaheadProposer(*options.lookahead_params)
+
+
+def _auto_max_k(options: LookaheadOptions) -> int:
+    window, ngram, _ = options.lookahead_params
+    return window + ngram - 2  # the whole tree's depth: deeper, nothing is drafted
+
+
+METHOD = MethodSpec("lookahead", LookaheadOptions, _build, auto_max_k=_auto_max_k)

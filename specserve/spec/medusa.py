@@ -11,12 +11,15 @@ is not offered.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specserve.errors import InvalidParameterError
 from specserve.spec.heads import Drafter
 from specserve.drafts import DraftTreeProposal, SpecRequest
 from specserve.spec.proposer import Proposer
+from specserve.spec.registry import MethodSpec
 from specserve.drafts.tree import DraftTree
 
 
@@ -61,3 +64,32 @@ class MedusaProposer(Proposer):
             choices = [c for c in self.choices if len(c) <= r.num_speculative_tokens][:r.max_nodes]
             trees[i] = DraftTree.from_choices(choices, ranked[b])
         return DraftTreeProposal(trees)
+
+
+MAX_DRAFT_NODES = 128  # tree nodes verified per step
+
+
+def check_num_draft_nodes(n: int | None) -> None:
+    """The drafters' tree size (eagle's and medusa's num_draft_nodes)."""
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_NODES):
+        raise InvalidParameterError("num_draft_nodes", n, f"must be an integer in [1, {MAX_DRAFT_NODES}] or None")
+
+
+@dataclass(frozen=True, slots=True)
+class MedusaOptions:
+    """speculative_config's medusa keys: draft-tree nodes verified per step
+    (num_speculative_tokens is the tree's depth); None: the tree chosen when it was trained."""
+
+    num_draft_nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        check_num_draft_nodes(self.num_draft_nodes)
+
+
+def _build(options: MedusaOptions, model: str | None, target: object, engine: object) -> MedusaProposer:
+    from specserve.spec.heads import load_drafter
+    return MedusaProposer(load_drafter(model, target), max_nodes=options.num_draft_nodes)
+
+
+METHOD = MethodSpec("medusa", MedusaOptions, _build, auto_max_k=4,
+                    needs_model="method 'medusa' needs the folder `specserve train-draft` wrote")

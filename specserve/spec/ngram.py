@@ -18,10 +18,12 @@ the chain mode's draft, so the tree only adds alternatives to it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specserve.errors import InvalidParameterError
 from specserve.drafts import DraftProposal, DraftTreeProposal, SpecRequest
 from specserve.spec.proposer import Proposer
+from specserve.spec.registry import MethodSpec
 from specserve.drafts.tree import DraftTree
 
 # Longer n-grams almost never recur verbatim, and each n costs one dict entry per context token.
@@ -182,3 +184,26 @@ class NgramProposer(Proposer):
             # Host tensors: the engine moves them next to the target's logits.
             return DraftProposal.from_lists([b[0] if b else [] for b in branches], k_max, "cpu")
         return DraftTreeProposal([DraftTree.from_token_paths(b, r.max_nodes) for b, r in zip(branches, batch)])
+
+
+@dataclass(frozen=True, slots=True)
+class NgramOptions:
+    """speculative_config's n-gram keys (vLLM's names). num_branches: continuations of several
+    earlier occurrences drafted as the branches of one token tree, verified in one pass (1: a
+    single chain); num_speculative_tokens is then its depth."""
+
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    num_branches: int = 1
+
+    def __post_init__(self) -> None:
+        check_lookup_params(self.prompt_lookup_min, self.prompt_lookup_max)
+        check_num_branches(self.num_branches)
+
+
+def _build(options: NgramOptions, model: str | None, target: object, engine: object) -> NgramProposer:
+    return NgramProposer(prompt_lookup_min=options.prompt_lookup_min, prompt_lookup_max=options.prompt_lookup_max,
+                         num_branches=options.num_branches)
+
+
+METHOD = MethodSpec("ngram", NgramOptions, _build, auto_max_k=8)

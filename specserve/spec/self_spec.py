@@ -15,11 +15,13 @@ Which layers to skip: spec/layer_set.py (where a layer set comes from), spec/lay
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from specserve.config import EngineConfig
 from specserve.model.loader import LoadedModel
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.layer_set import check_skip_layers
+from specserve.spec.registry import MethodSpec
 
 
 class SelfSpecProposer(DraftModelProposer):
@@ -40,3 +42,23 @@ def layer_view(target: LoadedModel, skip_layers: Sequence[int]) -> LoadedModel:
     view = target.model.with_layers(keep)
     return LoadedModel(model=view, tokenizer=target.tokenizer, config=view.config, path=target.path,
                        name=f"{target.name} ({len(keep)} of {target.config.num_layers} layers)", kernels=target.kernels)
+
+
+@dataclass(frozen=True, slots=True)
+class SelfSpecOptions:
+    """speculative_config's self_spec key: the target's decoder layers its draft skips; None: the
+    model's layer set (spec/layer_set.py: next to the model, or shipped for the embedded one)."""
+
+    skip_layers: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.skip_layers is not None:
+            object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, None, "skip_layers"))
+
+
+def _build(options: SelfSpecOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> SelfSpecProposer:
+    from specserve.spec.layer_set import resolve_skip_layers
+    return SelfSpecProposer(target, resolve_skip_layers(options.skip_layers, target), engine)
+
+
+METHOD = MethodSpec("self_spec", SelfSpecOptions, _build, auto_max_k=6)

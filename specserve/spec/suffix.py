@@ -23,11 +23,13 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from specserve.drafts import DraftTreeProposal, SpecRequest, VerifyFeedback
 from specserve.drafts.tree import DraftTree
 from specserve.errors import InvalidParameterError
 from specserve.spec.proposer import Proposer
+from specserve.spec.registry import MethodSpec
 
 MAX_TREE_DEPTH = 64
 # A tree of depth D holds up to D nodes per token of text (~280 bytes each in Python: ~4.5 KiB
@@ -349,3 +351,28 @@ class SuffixProposer(Proposer):
                     best, best_score = draft, score
             trees.append(best)
         return DraftTreeProposal(trees)
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixOptions:
+    """speculative_config's suffix keys: the longest suffix matched (and so the depth of its
+    trees), the global tree's size in tokens of earlier outputs (0: none), draft depth per
+    matched token, and the smallest estimated probability of a drafted node."""
+
+    suffix_tree_depth: int = DEFAULT_TREE_DEPTH
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS
+    suffix_spec_factor: float = DEFAULT_SPEC_FACTOR
+    suffix_min_token_prob: float = DEFAULT_MIN_TOKEN_PROB
+
+    def __post_init__(self) -> None:
+        check_suffix_params(self.suffix_tree_depth, self.suffix_cache_tokens, self.suffix_spec_factor,
+                            self.suffix_min_token_prob)
+
+
+def _build(options: SuffixOptions, model: str | None, target: object, engine: object) -> SuffixProposer:
+    return SuffixProposer(max_depth=options.suffix_tree_depth, cache_tokens=options.suffix_cache_tokens,
+                          spec_factor=options.suffix_spec_factor, min_token_prob=options.suffix_min_token_prob)
+
+
+# Suffix decoding drafts whole remembered continuations: long drafts pay when it matches well.
+METHOD = MethodSpec("suffix", SuffixOptions, _build, auto_max_k=16)
