@@ -49,7 +49,8 @@ class MethodSpec:
         return {f.name: f.default for f in fields(self.options_cls) if f.default is not MISSING}
 
 
-# Methods added by `register` (the built-ins are found through BUILTIN_METHODS instead).
+# Methods added by `register` (the built-ins are found through BUILTIN_METHODS instead): the one
+# table that changes after import, as a plug-in's entry point would, and only by register/unregister.
 _REGISTERED: dict[str, MethodSpec] = {}
 
 
