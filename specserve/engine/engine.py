@@ -102,6 +102,7 @@ class LLMEngine:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
         self.keep_hidden = bool(proposer and proposer.needs_hidden_states)
+        self.hidden_layers = tuple(proposer.hidden_layers) if self.keep_hidden else ()
         self.keep_predictions = bool(proposer and proposer.needs_node_predictions)
         num_blocks = num_kv_blocks(target, config)
         self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
@@ -311,7 +312,8 @@ class LLMEngine:
         samples = [s.samples for s in scheduled]
         masks = [t.attention_mask() if t.num_nodes and not t.is_chain else None for t in trees]
         fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], starts, tokens, all_logits=False,
-                          tree_masks=masks if any(m is not None for m in masks) else None, keep_hidden=self.keep_hidden)
+                          tree_masks=masks if any(m is not None for m in masks) else None, keep_hidden=self.keep_hidden,
+                          aux_layers=self.hidden_layers)
         fwd = self.runner.forward_rows(fb, [1 + t.num_nodes if s else 0 for s, t in zip(samples, trees)])
         rows = [i for i, s in enumerate(samples) if s]
         paths: dict[int, list[int]] = {}

@@ -26,13 +26,18 @@ class ForwardBatch:
     # tokens; None: every request causal.
     tree_masks: list[torch.Tensor | None] | None = None
     keep_hidden: bool = False  # also return the final hidden states of every computed token
+    # With keep_hidden: the residual streams entering these decoder layers, concatenated
+    # [.., len * hidden], stand in for the final hidden states (EAGLE-3 reads three of them).
+    # Captured by the same pass; empty: the final hidden states.
+    aux_layers: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
 class ForwardOutput:
     logits: torch.Tensor  # float32 [B, T, V] (all_logits) or [B, 1, V]
     # Per request [T_i, hidden]: the final hidden states (after the last norm, the LM head's
-    # input) of the tokens it computed, in order; None unless ForwardBatch.keep_hidden.
+    # input) of the tokens it computed, in order ([T_i, len * hidden] captured states with
+    # ForwardBatch.aux_layers); None unless ForwardBatch.keep_hidden.
     hidden: list[torch.Tensor] | None
 
 
@@ -43,7 +48,9 @@ class FlatForwardOutput:
 
     logits: torch.Tensor  # float32 [M, V]: each request's last num_logits[i] tokens, request by request
     logit_start: list[int]  # [B + 1]
-    hidden: torch.Tensor | None  # [N, hidden] final hidden states of every token (keep_hidden), else None
+    # [N, hidden] final hidden states of every token (keep_hidden; [N, len * hidden] captured
+    # states with aux_layers), else None
+    hidden: torch.Tensor | None
     token_start: list[int]  # [B + 1]
 
 
@@ -81,10 +88,11 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         return self._forward_flat(batch)
 
-    def _hidden_flat(self, batch: ForwardBatch) -> tuple[torch.Tensor, FlatBatch]:
+    def _hidden_flat(self, batch: ForwardBatch) -> tuple[torch.Tensor, FlatBatch, torch.Tensor | None]:
         """hidden [N, hidden] of the batch's tokens flattened, no padding computed: every model
         on either cache (model.forward_flat; measured as fast as the padded pass it replaced for
-        a single request on the dense cache, faster for ragged batches)."""
+        a single request on the dense cache, faster for ragged batches), and the captured
+        states [N, len * hidden] when the batch asks for aux_layers (else None)."""
         if isinstance(self.cache, PagedKVCache):
             tables, block_size = batch.locations, self.cache.block_size
         else:  # a dense slot is one block of `stride` rows
@@ -92,14 +100,17 @@ class ModelRunner:
         flat = flat_batch(batch.token_ids, tables, block_size, batch.start_positions, batch.tree_masks)
         # [layers, blocks, block_size, Hkv, D] or [layers, rows, Hkv, D], in model.kv_dtype
         k, v = self.cache.k, self.cache.v
-        hidden = self.model.forward_flat(flat, k.view(k.shape[0], -1, *k.shape[-2:]),
-                                         v.view(v.shape[0], -1, *v.shape[-2:]))  # [N, hidden]
-        return hidden, flat
+        k, v = k.view(k.shape[0], -1, *k.shape[-2:]), v.view(v.shape[0], -1, *v.shape[-2:])
+        if batch.keep_hidden and batch.aux_layers:
+            hidden, aux = self.model.forward_flat_aux(flat, k, v, batch.aux_layers)
+            return hidden, flat, aux
+        return self.model.forward_flat(flat, k, v), flat, None  # [N, hidden]
 
     def _forward_flat(self, batch: ForwardBatch) -> ForwardOutput:
-        hidden, flat = self._hidden_flat(batch)
+        hidden, flat, aux = self._hidden_flat(batch)
         starts = flat.q_start.tolist()
-        kept = [hidden[a:b] for a, b in zip(starts, starts[1:])] if batch.keep_hidden else None
+        states = hidden if aux is None else aux
+        kept = [states[a:b] for a, b in zip(starts, starts[1:])] if batch.keep_hidden else None
         if not batch.all_logits:
             return ForwardOutput(self.model.compute_logits(hidden[flat.ends]).unsqueeze(1), kept)  # [B, 1, V]
         logits = self.model.compute_logits(hidden)  # [N, V]
@@ -124,10 +135,11 @@ class ModelRunner:
         token_start = [0, *accumulate(lens)]
         logit_start = [0, *accumulate(num_logits)]
         rows = [j for e, n in zip(token_start[1:], num_logits) for j in range(e - n, e)]
-        hidden, _ = self._hidden_flat(batch)  # [N, hidden]
+        hidden, _, aux = self._hidden_flat(batch)  # [N, hidden]
         index = torch.tensor(rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, index)) if rows else hidden.new_zeros(0, 0)
-        return FlatForwardOutput(logits.float(), logit_start, hidden if batch.keep_hidden else None, token_start)
+        kept = (hidden if aux is None else aux) if batch.keep_hidden else None
+        return FlatForwardOutput(logits.float(), logit_start, kept, token_start)
 
     def forward_last(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits at each request's last token [B, 1, V], for a batch of ragged lengths (prompt

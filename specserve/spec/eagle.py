@@ -186,26 +186,32 @@ class EagleProposer(Proposer):
                 frontier_score = score.gather(1, sel)
                 frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
                 frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
-        return self._select(rows, cand_tok, cand_score, cand_parent, cand_depth)
+        return select_trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids, cand_tok, cand_score, cand_parent,
+                            cand_depth)
 
-    def _select(self, rows: list[_Row], cand_tok: list[torch.Tensor], cand_score: list[torch.Tensor],
-                cand_parent: list[torch.Tensor], cand_depth: list[int]) -> list[DraftTree]:
-        """The best max_nodes candidates of each row (within its depth), as DraftTrees."""
-        depth_of = torch.cat([torch.full((t.shape[1],), lv) for t, lv in zip(cand_tok, cand_depth)])  # [N]
-        # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
-        score = torch.cat(cand_score, dim=1).double().cpu() - _DEPTH_TIE_BREAK * depth_of  # [B, N]
-        tokens = self.drafter.vocab.ids[torch.cat(cand_tok, dim=1)].cpu()  # [B, N] target ids
-        parents = torch.cat(cand_parent, dim=1).cpu()
-        trees = []
-        for b, r in enumerate(rows):
-            allowed = depth_of <= r.depth
-            s = score[b].masked_fill(~allowed, float("-inf"))
-            n = min(r.max_nodes, int(allowed.sum()))
-            chosen = s.topk(n).indices.sort().values.tolist()  # creation order: parents first
-            node_of = {c: i for i, c in enumerate(chosen)}
-            par = parents[b].tolist()
-            trees.append(DraftTree([int(tokens[b, c]) for c in chosen], [node_of.get(par[c], -1) for c in chosen]))
-        return trees
+
+
+def select_trees(limits: list[tuple[int, int]], draft_ids: torch.Tensor, cand_tok: list[torch.Tensor],
+                 cand_score: list[torch.Tensor], cand_parent: list[torch.Tensor], cand_depth: list[int]) -> list[DraftTree]:
+    """Each row's best candidates as DraftTrees: limits[b] = (deepest depth, most nodes) of row
+    b; cand_* per growth level: draft-vocabulary indices, cumulative log-probabilities and
+    parent candidate ids [B, n], numbered in creation order (parents before children);
+    draft_ids [Vd] maps draft indices to target ids."""
+    depth_of = torch.cat([torch.full((t.shape[1],), lv) for t, lv in zip(cand_tok, cand_depth)])  # [N]
+    # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
+    score = torch.cat(cand_score, dim=1).double().cpu() - _DEPTH_TIE_BREAK * depth_of  # [B, N]
+    tokens = draft_ids[torch.cat(cand_tok, dim=1)].cpu()  # [B, N] target ids
+    parents = torch.cat(cand_parent, dim=1).cpu()
+    trees = []
+    for b, (deepest, max_nodes) in enumerate(limits):
+        allowed = depth_of <= deepest
+        s = score[b].masked_fill(~allowed, float("-inf"))
+        n = min(max_nodes, int(allowed.sum()))
+        chosen = s.topk(n).indices.sort().values.tolist()  # creation order: parents first
+        node_of = {c: i for i, c in enumerate(chosen)}
+        par = parents[b].tolist()
+        trees.append(DraftTree([int(tokens[b, c]) for c in chosen], [node_of.get(par[c], -1) for c in chosen]))
+    return trees
 
 
 MAX_DRAFT_TOPK = 32

@@ -15,7 +15,9 @@ The contract, per request, in the order the engine keeps:
     `observe_hidden(request_id, start_position, hidden)` with hidden [T, H] (model dtype, on the
     target's device; may be views of a step's buffer) = the target's final hidden states
     (after its last norm: the LM head's input) at token positions start_position ..
-    start_position + T - 1 of the request. It is called
+    start_position + T - 1 of the request; for a proposer that sets `hidden_layers`, hidden is
+    [T, len(hidden_layers) * H] instead: the residual streams entering those decoder layers,
+    concatenated in that order, captured by the same pass (EAGLE-3). It is called
       (a) for every prompt chunk the target computes, whole chunk, in order: with a
           prefix-cache hit the first call starts after 0 (for a preempted request that comes
           back, possibly past its original prompt: its generated tokens are prompt then);
@@ -55,6 +57,9 @@ class Proposer(ABC):
     name: str
     needs_hidden_states: bool = False  # True: the engine calls observe_hidden (module note)
     needs_node_predictions: bool = False  # True: feedback carries node_predictions (module note)
+    # With needs_hidden_states: target layers whose entering residual streams observe_hidden
+    # reports instead of the final hidden state (module note); empty: the final hidden state.
+    hidden_layers: tuple[int, ...] = ()
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         """A request starts speculating. Stateless proposers need nothing."""

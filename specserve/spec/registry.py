@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 # name -> the module defining its METHOD. The order is the command line's.
 BUILTIN_METHODS = {"ngram": "specserve.spec.ngram", "suffix": "specserve.spec.suffix",
                    "self_spec": "specserve.spec.self_spec", "draft_model": "specserve.spec.draft_model",
-                   "eagle": "specserve.spec.eagle", "medusa": "specserve.spec.medusa",
+                   "eagle": "specserve.spec.eagle", "eagle3": "specserve.spec.eagle3", "medusa": "specserve.spec.medusa",
                    "lookahead": "specserve.spec.lookahead"}
 # Built-in methods that need a path in speculative_config's "model" (the command line's METHOD:PATH).
-PATH_METHODS = ("draft_model", "eagle", "medusa")
+PATH_METHODS = ("draft_model", "eagle", "eagle3", "medusa")
 
 
 @dataclass(frozen=True, slots=True)

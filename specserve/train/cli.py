@@ -14,11 +14,11 @@ from specserve.train.config import METHOD_DEFAULTS, TrainDraftConfig
 def add_train_parser(sub) -> None:
     d = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(TrainDraftConfig)})
     t = sub.add_parser(
-        "train-draft", help="train EAGLE or Medusa drafting heads on the target's own outputs",
+        "train-draft", help="train an EAGLE-3, EAGLE or Medusa drafter on the target's own outputs",
         description="Self-distillation: the target answers prompts (a JSONL file, or user turns it writes itself "
                     "from its chat template), its hidden states and greedy choices are recorded, and the heads are "
                     "trained on them. The output folder loads with speculative_config={'method': METHOD, 'model': OUT}.")
-    t.add_argument("--method", required=True, choices=["eagle", "medusa"])
+    t.add_argument("--method", required=True, choices=list(METHOD_DEFAULTS))
     t.add_argument("--target", default="default", help="target model: HF folder, .gguf file, or 'default' (embedded SmolLM2)")
     t.add_argument("--out", required=True, help="output folder (model.safetensors, config.json, data cache, checkpoints)")
     t.add_argument("--prompts", default=None,
@@ -28,15 +28,18 @@ def add_train_parser(sub) -> None:
                         "--num-prompts, --max-new-tokens, --chunk-size, --seed) share it, e.g. an EAGLE run and a Medusa run")
     t.add_argument("--num-prompts", type=int, default=d.num_prompts, help="prompts to answer")
     t.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="answer length cap")
-    t.add_argument("--chunk-size", type=int, default=d.chunk_size,
-                   help="prompts per data shard, answered together by one batched engine (larger: faster, more memory)")
-    e, m = METHOD_DEFAULTS["eagle"], METHOD_DEFAULTS["medusa"]
-    t.add_argument("--epochs", type=int, default=None, help=f"eagle {e['epochs']}, medusa {m['epochs']}")
-    t.add_argument("--lr", type=float, default=None, help=f"peak learning rate (eagle {e['lr']}, medusa {m['lr']})")
+    t.add_argument("--chunk-size", type=int, default=None,
+                   help="prompts per data shard, answered together by one batched engine (larger: faster, more "
+                        "memory; eagle3 64, others 32)")
+    e, m, e3 = METHOD_DEFAULTS["eagle"], METHOD_DEFAULTS["medusa"], METHOD_DEFAULTS["eagle3"]
+    t.add_argument("--epochs", type=int, default=None,
+                   help=f"eagle3 {e3['epochs']}, eagle {e['epochs']}, medusa {m['epochs']}")
+    t.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (eagle3 {e3['lr']}, eagle {e['lr']}, medusa {m['lr']})")
     t.add_argument("--seed", type=int, default=d.seed, help="seeds prompts, split, initialisation, batch order, noise")
     t.add_argument("--resume", action="store_true", help="continue an interrupted run in --out from its last checkpoint")
     t.add_argument("--depth", type=int, default=None,
-                   help=f"eagle: unrolled training steps ({e['depth']}); medusa: heads ({m['depth']})")
+                   help=f"eagle3/eagle: unrolled training steps ({e3['depth']}/{e['depth']}); medusa: heads ({m['depth']})")
     t.add_argument("--eval-depth", type=int, default=d.eval_depth, help="eagle: draft depth scored on the held-out split")
     t.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="tokens the drafter can propose: the target's most frequent answers (0: the whole vocabulary)")

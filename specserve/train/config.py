@@ -6,13 +6,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from specserve.errors import InvalidParameterError
-from specserve.spec.heads.config import DRAFTER_METHODS, SAVE_DTYPES
+from specserve.spec.heads.config import SAVE_DTYPES
 
 # Per-method defaults where the two differ: EAGLE unrolls 3 steps, Medusa has 4 heads. Measured
 # on the embedded model (531 sequences, 84k answer tokens): EAGLE's held-out top-1 rose from
 # 0.27 (3 epochs of 4096-token batches at 5e-4) to 0.46 (12 epochs of 1024 at 1e-3), still
 # rising slowly; Medusa's head 1 from 0.25 to 0.33 (8 epochs of 1024).
-METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 12, "lr": 1e-3}, "medusa": {"depth": 4, "epochs": 8, "lr": 1e-3}}
+# EAGLE-3 trains 5 unrolled steps ("training-time test") on a much larger set (see
+# train/eagle3.py), so fewer passes over it.
+METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 12, "lr": 1e-3}, "medusa": {"depth": 4, "epochs": 8, "lr": 1e-3},
+                   "eagle3": {"depth": 5, "epochs": 2, "lr": 5e-4, "chunk_size": 64}}
+TRAIN_METHODS = tuple(METHOD_DEFAULTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,14 +42,14 @@ class TrainDraftConfig:
     device: str = "cpu"
     prompt_max_tokens: int = 64
     cache: str | None = None  # the data cache folder; None: out/cache
-    chunk_size: int = 32
+    chunk_size: int | None = None  # None: 32, or the method's default (METHOD_DEFAULTS)
     resume: bool = False
     command: str = ""  # as typed, recorded in config.json
 
     def __post_init__(self) -> None:
-        if self.method not in DRAFTER_METHODS:
-            raise InvalidParameterError("method", self.method, f"must be one of {', '.join(DRAFTER_METHODS)}")
-        for name, value in METHOD_DEFAULTS[self.method].items():
+        if self.method not in TRAIN_METHODS:
+            raise InvalidParameterError("method", self.method, f"must be one of {', '.join(TRAIN_METHODS)}")
+        for name, value in {"chunk_size": 32, **METHOD_DEFAULTS[self.method]}.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
         positive = ("num_prompts", "max_new_tokens", "epochs", "depth", "eval_depth", "tokens_per_batch",
@@ -65,7 +69,7 @@ class TrainDraftConfig:
 
     @property
     def score_depth(self) -> int:
-        return self.eval_depth if self.method == "eagle" else self.depth
+        return self.eval_depth if self.method in ("eagle", "eagle3") else self.depth
 
     def identity(self) -> dict:
         """The settings that shape data and training: a --resume must not change them."""

@@ -1,6 +1,14 @@
 """Self-distillation data: the target answers prompts, then one forward pass per sequence
 records its final hidden states and greedy choices. Kept on disk in shards of one chunk of
-prompts each, so an interrupted run resumes at the first missing shard."""
+prompts each, so an interrupted run resumes at the first missing shard.
+
+EAGLE-3 data keeps token ids only (`DataPlan.record` off: ~4 bytes a token, small enough to keep
+with a project): its three captured target states per token (3 x 576 halves on the embedded
+model, ~3.4 kB) are recomputed teacher-forced in batched prefill passes when training starts
+(train/features.py), which costs less than a decode step per token does to answer. Its
+answers come from the target as it serves (the native kernels on a quantized GGUF), so the
+states it trains on are those it drafts from, and the labels are the answer's own next tokens:
+the target's greedy choices, by batch invariance the same bits as a pass over the sequence."""
 
 from __future__ import annotations
 
@@ -11,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -42,6 +50,7 @@ class DataPlan:
     prompt_max_tokens: int  # cap of a self-written user turn
     chunk_size: int  # prompts per shard, answered together by one batched engine
     user_turns: str = USER_TURNS  # how self-written user turns begin (a cache made otherwise is refused)
+    record: bool = True  # False: token ids only (EAGLE-3; see the module note)
 
 
 @dataclass(slots=True)
@@ -49,7 +58,9 @@ class Recorded:
     """Every recorded sequence (prompt + answer), in shard order."""
 
     tokens: list[torch.Tensor]  # [T] int64 each
-    features: list[torch.Tensor]  # [T, H] float16: the target's final hidden states
+    # [T, H] float16: the target's final hidden states (EAGLE-3: [T, 3 H] captured states, once
+    # train/features.py has recomputed them; empty until then)
+    features: list[torch.Tensor]
     labels: list[torch.Tensor]  # [T] int64: the target's argmax at each position (full vocabulary)
     prompt_lens: list[int]
 
@@ -74,7 +85,7 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
     total = plan.num_prompts if conversations is None else min(plan.num_prompts, len(conversations))
     chunks = range(-(-total // plan.chunk_size))
     paths = [shard_path(cache, c) for c in chunks]
-    todo = [c for c in chunks if not paths[c].is_file()]
+    todo = [c for c in chunks if not _complete(paths[c], min(plan.chunk_size, total - c * plan.chunk_size))]
     if todo:
         max_model_len = min(target.config.max_position_embeddings, MAX_PROMPT_TOKENS + plan.max_new_tokens)
         # A pool for a chunk of typical requests (a self-written prompt and a full answer); a
@@ -96,13 +107,27 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
     return paths
 
 
+def _complete(path: Path, size: int) -> bool:
+    """A shard exists and answered `size` prompts (one made as a short last chunk did fewer)."""
+    if not path.is_file():
+        return False
+    try:
+        with safe_open(str(path), "pt") as f:
+            made = (f.metadata() or {}).get("prompts")
+    except (SafetensorError, OSError):
+        return False
+    return made is None or int(made) >= size  # shards written before the count was kept are whole
+
+
 def _claim(cache: Path, plan: DataPlan, target: LoadedModel) -> None:
     """Write the cache's data.json, or check that an existing one describes the same data."""
     want = {"target": target.name, "fingerprint": TargetIdentity.of(target).fingerprint, **dataclasses.asdict(plan)}
     path = cache / DATA_FILE
     if path.is_file():
         have = json.loads(path.read_text())
-        changed = sorted(k for k in want if have.get(k) != want[k])
+        # Chunk c's prompts depend on the seed and c alone, so a cache grows by asking for more
+        # prompts (a last shard made short is answered again in full, see _complete).
+        changed = sorted(k for k in want if have.get(k) != want[k] and k != "num_prompts")
         if changed:
             raise InvalidParameterError("cache", str(cache), f"holds data made with other settings ({', '.join(changed)})")
     else:
@@ -119,22 +144,24 @@ def _record_chunk(llm: LLM, target: LoadedModel, convs: list[list[dict]], plan: 
     seqs = [p + a.outputs[0].token_ids for (_, p), a in zip(kept, answers)]
     tokens, features, labels, offsets = [], [], [], [0]
     for seq in seqs:
-        f, lab = record_sequence(target, seq)
         tokens.append(torch.tensor(seq, dtype=torch.int32))
-        features.append(f)
-        labels.append(lab.to(torch.int32))
         offsets.append(offsets[-1] + len(seq))
+        if plan.record:
+            f, lab = record_sequence(target, seq)
+            features.append(f)
+            labels.append(lab.to(torch.int32))
     h = target.config.hidden_size
     tensors = {
         "tokens": torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int32),
-        "features": torch.cat(features) if features else torch.zeros(0, h, dtype=STORE_DTYPE),
-        "labels": torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int32),
         "offsets": torch.tensor(offsets, dtype=torch.int64),
         "prompt_lens": torch.tensor([len(p) for _, p in kept], dtype=torch.int64),
     }
+    if plan.record:
+        tensors["features"] = torch.cat(features) if features else torch.zeros(0, h, dtype=STORE_DTYPE)
+        tensors["labels"] = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int32)
     # Written under a temporary name and renamed: a shard that exists is complete.
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp))
+    save_file(tensors, str(tmp), metadata={"prompts": str(len(convs))})
     path.with_suffix(".json").write_text(json.dumps(
         {"conversations": [c for c, _ in kept], "answers": [tok.decode(a.outputs[0].token_ids) for a in answers]},
         ensure_ascii=False) + "\n")
@@ -158,9 +185,13 @@ def load_data(paths: list[Path]) -> Recorded:
             raise SpecserveError(f"cannot read the data shard {path} ({e}); delete it and run again with --resume") from None
         offsets = t["offsets"].tolist()
         for i, (a, b) in enumerate(zip(offsets, offsets[1:])):
-            data.tokens.append(t["tokens"][a:b].long())
-            data.features.append(t["features"][a:b])
-            data.labels.append(t["labels"][a:b].long())
+            tokens = t["tokens"][a:b].long()
+            data.tokens.append(tokens)
+            if "features" in t:
+                data.features.append(t["features"][a:b])
+                data.labels.append(t["labels"][a:b].long())
+            else:  # token ids only: the labels are the next tokens (the last one has none: -1)
+                data.labels.append(torch.cat([tokens[1:], tokens.new_full((1,), -1)]))
             data.prompt_lens.append(int(t["prompt_lens"][i]))
     if not data.tokens:
         raise SpecserveError("no sequences were recorded: every prompt was too long or dropped")

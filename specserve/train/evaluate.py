@@ -10,7 +10,7 @@ import torch
 from specserve.spec.heads import Drafter
 from specserve.train.batches import collate, make_batches
 from specserve.train.data import Recorded
-from specserve.train.objectives import StepResult, accepted_lengths, eagle_steps, medusa_steps, mixed_precision
+from specserve.train.objectives import StepResult, accepted_lengths, drafter_steps, mixed_precision
 
 # Ranks whose frequency is reported per depth (Medusa's tree is built from them).
 TOP_RANKS = 10
@@ -57,8 +57,7 @@ def evaluate(drafter: Drafter, data: Recorded, indices: list[int], depth: int, i
     for batch_ids in make_batches(data, indices, tokens_per_batch, seed=0):
         batch = collate(data, batch_ids, depth, index, device)
         with mixed_precision(device):
-            steps: list[StepResult] = (eagle_steps(drafter, batch, want_ranks=True) if drafter.config.method == "eagle"
-                                       else medusa_steps(drafter, batch, want_ranks=True))
+            steps: list[StepResult] = drafter_steps(drafter, batch, want_ranks=True)
         run = torch.ones_like(steps[0].valid)
         for d, s in enumerate(steps):
             correct[d] += s.correct.sum().item()

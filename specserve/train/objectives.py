@@ -90,8 +90,9 @@ class UnrolledAttention:
 
 
 def _step(drafter: Drafter, hidden: torch.Tensor, target_features: torch.Tensor | None,
-          labels: torch.Tensor, valid: torch.Tensor, want_ranks: bool) -> StepResult:
-    """hidden [B, T, H] predicted features; labels, valid [B, T] at their label positions."""
+          labels: torch.Tensor, valid: torch.Tensor, want_ranks: bool, weight: float = 1.0) -> StepResult:
+    """hidden [B, T, H] predicted features; labels, valid [B, T] at their label positions.
+    weight scales the step's loss (EAGLE-3 weighs later unrolled steps less)."""
     rows = hidden[valid]  # [M, H]
     logits = drafter.vocab(rows)  # [M, Vd]
     lab = labels[valid]
@@ -101,6 +102,7 @@ def _step(drafter: Drafter, hidden: torch.Tensor, target_features: torch.Tensor 
     if target_features is not None:
         reg = F.smooth_l1_loss(rows, target_features[valid]) if rows.numel() else rows.sum()
         loss = reg + CE_WEIGHT * ce
+    loss = loss * weight
     correct = torch.zeros_like(valid)
     with torch.no_grad():
         correct[valid] = (logits.argmax(-1) == lab) & known
@@ -129,6 +131,44 @@ def eagle_steps(drafter: Drafter, batch: SequenceBatch, noise: torch.Generator |
         out.append(_step(drafter, features, batch.features[:, s:s + t], batch.labels[:, s:s + t],
                          batch.valid[:, s:s + t], want_ranks))
     return out
+
+
+# EAGLE-3's weight of unrolled step s (s = 1, 2, ...): STEP_DECAY ** (s - 1), as its reference
+# training does: later steps start from the drafter's own, less certain, features.
+STEP_DECAY = 0.8
+
+
+def eagle3_steps(drafter, batch: SequenceBatch, noise: torch.Generator | None = None,
+                 want_ranks: bool = False) -> list[StepResult]:
+    """EAGLE-3's training-time test: `batch.depth` unrolled steps over whole sequences. Step 1
+    reads fc(the target's three captured states) [B, T, 3 Ht] -> [B, T, H]; step s > 1 reads
+    the drafter's own output of step s - 1. Cross-entropy only (no feature regression: the
+    drafter's features need not imitate any target state). `drafter` is an Eagle3Trainee
+    (train/eagle3.py); noise is unused (the unrolled steps are EAGLE-3's own robustness)."""
+    t = batch.width
+    head = drafter.heads
+    with torch.no_grad():
+        embeds = drafter.embed(batch.tokens).float()  # [B, T + depth, H], the frozen target embedding
+    feature = head.fuse(batch.features[:, :t])
+    positions = torch.arange(t, device=feature.device).expand(feature.shape[0], t)
+    cache = UnrolledAttention()
+    out = []
+    for s in range(1, batch.depth + 1):
+        feature = head(embeds[:, s:s + t], feature, positions + (s - 1), None, cache)
+        out.append(_step(drafter, feature, None, batch.labels[:, s:s + t], batch.valid[:, s:s + t], want_ranks,
+                         STEP_DECAY ** (s - 1)))
+    return out
+
+
+def drafter_steps(drafter, batch: SequenceBatch, noise: torch.Generator | None = None,
+                  want_ranks: bool = False) -> list[StepResult]:
+    """The training pass of the drafter's method."""
+    method = drafter.config.method
+    if method == "eagle3":
+        return eagle3_steps(drafter, batch, noise, want_ranks)
+    if method == "eagle":
+        return eagle_steps(drafter, batch, noise, want_ranks)
+    return medusa_steps(drafter, batch, want_ranks)
 
 
 def medusa_steps(drafter: Drafter, batch: SequenceBatch, want_ranks: bool = False) -> list[StepResult]:

@@ -28,6 +28,10 @@ RUN_FILE = "run.json"  # the settings a --resume must match
 def train_draft(cfg: TrainDraftConfig, log=print) -> tuple[Path, HeldOutReport]:
     out = Path(cfg.out).expanduser()
     _prepare_out(out, cfg)
+    if cfg.method == "eagle3":
+        from specserve.train.eagle3 import train_eagle3
+
+        return train_eagle3(cfg, out, log)
     t0 = time.perf_counter()
     conversations = read_prompt_file(cfg.prompts) if cfg.prompts else None
     target = load_model(cfg.target, dtype="float32", device=cfg.device)

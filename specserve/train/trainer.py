@@ -20,7 +20,7 @@ from specserve.errors import SpecserveError
 from specserve.spec.heads import Drafter
 from specserve.train.batches import collate, make_batches
 from specserve.train.data import Recorded
-from specserve.train.objectives import eagle_steps, medusa_steps, mixed_precision
+from specserve.train.objectives import drafter_steps, mixed_precision
 
 GRAD_CLIP = 1.0
 MIN_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak
@@ -76,8 +76,7 @@ def train_epochs(drafter: Drafter, opt: torch.optim.AdamW, data: Recorded, train
                 group["lr"] = lr_at(state.step, total, plan.lr)
             batch = collate(data, batch_ids, plan.depth, index, device)
             with mixed_precision(device):
-                steps = (eagle_steps(drafter, batch, noise) if drafter.config.method == "eagle"
-                         else medusa_steps(drafter, batch))
+                steps = drafter_steps(drafter, batch, noise)
                 loss = torch.stack([s.loss for s in steps]).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()

@@ -42,8 +42,9 @@ OWN_EMBEDDING = "embed_tokens.weight"
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
     """The layers EAGLE-3's reference code and vLLM read when a checkpoint names none:
-    (2, L // 2, L - 3), the residual streams entering them."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    (2, L // 2, L - 3), the residual streams entering them (clamped into a shallow target)."""
+    last = num_target_layers - 1
+    return tuple(sorted(min(i, last) for i in (2, num_target_layers // 2, max(0, num_target_layers - 3))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ class Eagle3Config:
     max_position_embeddings: int
     vocab_size: int  # the target's
     draft_vocab_size: int  # Vd
-    aux_layers: tuple[int, ...]  # target layers whose entering residual streams fc fuses, increasing
+    aux_layers: tuple[int, ...]  # target layers whose entering residual streams fc fuses, non-decreasing
     # speculators' variant: the feature is normed before it becomes the layer's residual (the
     # reference code keeps the raw feature as the residual).
     norm_before_residual: bool = False
@@ -83,9 +84,11 @@ class Eagle3Config:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ModelLoadError(f"EAGLE-3 drafter: {name}={value!r} must be a finite number > 0")
         aux = self.aux_layers
+        # Non-decreasing: a shallow target repeats a layer in the default (2, L // 2, L - 3).
         if (len(aux) != 3 or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in aux)
-                or list(aux) != sorted(set(aux))):
-            raise ModelLoadError(f"EAGLE-3 drafter: aux_layers={list(aux)!r} must be three increasing layer indices")
+                or list(aux) != sorted(aux)):
+            raise ModelLoadError(f"EAGLE-3 drafter: aux_layers={list(aux)!r} must be three layer indices in "
+                                 "non-decreasing order")
 
     def check_target(self, target: ModelConfig, where: str) -> None:
         """Refuse a drafter whose sizes do not fit `target` (a config.json is untrusted input)."""

@@ -1,0 +1,96 @@
+"""EAGLE-3's target states, recomputed from token ids: teacher-forced prefill passes of the
+target that capture the residual streams entering its low, middle and high layers.
+
+Kept next to the token shards as features-NNNNN.safetensors ([sum T, 3 Ht] float16, one per
+shard, written under a temporary name and renamed), a cache that can be deleted at any time: it
+is remade from the tokens, which are what a data set keeps."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from specserve.errors import SpecserveError
+from specserve.model.loader import LoadedModel
+from specserve.model.runner import ForwardBatch, ModelRunner
+from specserve.train.data import STORE_DTYPE, Recorded
+
+# Tokens per prefill pass: long enough that the weights are read once for many rows, short
+# enough that the dense cache of the pass stays small.
+PASS_TOKENS = 4096
+
+
+def features_path(shard: Path) -> Path:
+    return shard.with_name(shard.name.replace("shard-", "features-"))
+
+
+@torch.inference_mode()
+def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """[T_i, len(layers) * H] float16 per sequence: the residual streams entering `layers`."""
+    out: list[torch.Tensor] = []
+    group: list[list[int]] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        runner = ModelRunner.dense(target.model, len(group), max(len(s) for s in group))
+        fwd = runner.forward(ForwardBatch(list(range(len(group))), [0] * len(group), group, all_logits=False,
+                                          keep_hidden=True, aux_layers=layers))
+        out.extend(h.to("cpu", STORE_DTYPE) for h in fwd.hidden)
+        group.clear()
+
+    for seq in sequences:
+        if group and (len(group) + 1) * max(len(seq), *(len(s) for s in group)) > PASS_TOKENS:
+            flush()
+        group.append(list(seq))
+    flush()
+    return out
+
+
+def attach_states(target: LoadedModel, data: Recorded, shards: list[Path], layers: tuple[int, ...]) -> None:
+    """Fill data.features with every sequence's captured states, shard by shard (data holds
+    the shards' sequences in order, as load_data reads them), computing the missing files."""
+    counts = [len(load_file(str(s))["offsets"]) - 1 for s in shards]
+    if sum(counts) != len(data):
+        raise SpecserveError(f"the data holds {len(data)} sequences, its shards {sum(counts)}")
+    data.features.clear()
+    first = 0
+    todo = [i for i, s in enumerate(shards) if not _readable(features_path(s), layers)]
+    bar = tqdm(total=sum(counts[i] for i in todo), desc="recomputing target states", unit="seq")
+    for i, shard in enumerate(shards):
+        seqs = range(first, first + counts[i])
+        path = features_path(shard)
+        if i in todo:
+            states = capture_states(target, [data.tokens[j].tolist() for j in seqs], layers)
+            tmp = path.with_suffix(".tmp")
+            save_file({"states": torch.cat(states) if states else torch.zeros(0, 3, dtype=STORE_DTYPE)}, str(tmp),
+                      metadata={"layers": ",".join(map(str, layers))})
+            os.replace(tmp, path)
+            bar.update(counts[i])
+        else:
+            flat = load_file(str(path))["states"]
+            lengths = [len(data.tokens[j]) for j in seqs]
+            if flat.shape[0] != sum(lengths):
+                raise SpecserveError(f"{path} does not match its shard; delete it and run again")
+            states = list(flat.split(lengths))
+        data.features.extend(states)
+        first += counts[i]
+    bar.close()
+
+
+def _readable(path: Path, layers: tuple[int, ...]) -> bool:
+    """A features file exists and was captured at `layers`."""
+    if not path.is_file():
+        return False
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("layers") == ",".join(map(str, layers))
+    except (SafetensorError, OSError):
+        return False

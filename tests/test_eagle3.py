@@ -1,0 +1,135 @@
+"""EAGLE-3 drafting: the proposer's paged, batched tree growth against a dense recomputation of
+every path, and speculation end to end (greedy output equals plain greedy decoding)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specserve.config import EngineConfig
+from specserve.drafts import SpecRequest
+from specserve.model.attention import attention
+from specserve.sampling_params import SamplingParams
+from specserve.spec.eagle3 import Eagle3Proposer
+from specserve.spec.heads.eagle3 import Eagle3Head
+from specserve.spec.heads.eagle3_config import Eagle3Config
+from specserve.spec.heads.eagle3_loader import Eagle3Drafter
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+def random_head(target, aux=(0, 1, 1), vocab=None, seed=0, scale=3.0) -> Eagle3Head:
+    tc = target.config
+    vd = len(vocab) if vocab is not None else tc.vocab_size
+    cfg = Eagle3Config(hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size, num_heads=tc.num_heads,
+                       num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, intermediate_size=tc.intermediate_size,
+                       rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta, rope_scaling=None,
+                       max_position_embeddings=tc.max_position_embeddings, vocab_size=tc.vocab_size,
+                       draft_vocab_size=vd, aux_layers=aux)
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg, target.model.max_positions)
+    with torch.no_grad():
+        for p in head.parameters():  # peaked, varied logits: no near-ties among candidates
+            if p.dim() > 1:
+                p.normal_(0, scale / p.shape[-1] ** 0.5)
+        if vocab is not None:
+            head.draft_ids.copy_(torch.as_tensor(vocab))
+    return head.eval()
+
+
+class _Causal:
+    """Dense causal attention over one sequence: q, k, v [1, T, heads, D]."""
+
+    def attend(self, layer, q, k, v, meta):
+        t = q.shape[1]
+        mask = torch.full((t, t), float("-inf")).triu(1)
+        return attention(q, k.transpose(1, 2), v.transpose(1, 2), mask[None, None])
+
+
+def path_logits(head: Eagle3Head, embed, states: torch.Tensor, tokens: list[int], first: int,
+                path: list[int]) -> torch.Tensor:
+    """The drafter's logits after `path` (target ids), recomputed densely from scratch: context
+    rows first..L (state at p, token at p + 1), then one row per path token, each row's feature
+    the previous row's output, all causal. -> [Vd] at the last row."""
+    ctx = states[first:]  # [C, 3 Ht]
+    rows_tokens = tokens[first + 1:] + path
+    n_ctx = len(ctx)
+    with torch.no_grad():
+        feats = head.fuse(ctx.float())
+        out = None
+        # The context in one causal pass, then each path row appended (its feature is known only
+        # after the row before it ran), all re-run densely.
+        seq_feats = [feats[i] for i in range(n_ctx)]
+        for j in range(len(path) + 1):
+            f = torch.stack(seq_feats)[None]  # [1, T, H]
+            e = embed(torch.tensor(rows_tokens[:n_ctx + j]))[None].float()
+            pos = torch.arange(first, first + n_ctx + j)[None]
+            out = head(e, f, pos, None, _Causal())[0]  # [T, H]
+            seq_feats.append(out[-1])
+    return head.logits(out[-1])
+
+
+def reference_tree(head, embed, states, tokens, first, depth, topk, max_nodes):
+    """EAGLE-2's tree by brute force over dense recomputations -> [(path tuple)] chosen."""
+    ids = head.draft_ids
+    cands = []  # (score, depth, order, path)
+    frontier = [((), 0.0)]
+    order = 0
+    for level in range(1, depth + 1):
+        children = []
+        for path, score in frontier:
+            lp = torch.log_softmax(path_logits(head, embed, states, tokens, first, list(path)), -1).double()
+            top = lp.topk(topk)
+            for v, i in zip(top.values.tolist(), top.indices.tolist()):
+                children.append((path + (int(ids[i]),), score + v))
+        for path, score in children:
+            cands.append((score - 1e-6 * level, order, path))
+            order += 1
+        frontier = sorted(children, key=lambda c: -c[1])[:topk]
+    chosen = sorted(cands, key=lambda c: -c[0])[:max_nodes]
+    return sorted(c[2] for c in chosen)
+
+
+def tree_paths(tree) -> list[tuple]:
+    paths = []
+    for i in range(tree.num_nodes):
+        p, j = [], i
+        while j >= 0:
+            p.append(tree.token_ids[j])
+            j = tree.parents[j]
+        paths.append(tuple(reversed(p)))
+    return sorted(paths)
+
+
+@pytest.mark.parametrize("first", [0, 5])
+def test_batched_paged_tree_growth_equals_a_dense_recomputation(tiny, first):
+    """Two requests of different lengths drafting together (one starting its drafter entries
+    late, as after a prefix-cache hit), a catch-up of the whole prompt and then of an accepted
+    path: every tree equals the one grown by recomputing each path densely."""
+    target = tiny["loaded"]
+    head = random_head(target, vocab=list(range(3, 60)))
+    drafter = Eagle3Drafter(head.config, head, target.model.embed_tokens, None)
+    engine = EngineConfig(max_num_seqs=2, max_model_len=256, num_kv_blocks=64, block_size=4)
+    prop = Eagle3Proposer(drafter, target, engine, max_nodes=7, topk=3)
+    prop.kv.cache.k.fill_(math.nan)  # a slot read before it is written poisons the drafts
+    prop.kv.cache.v.fill_(math.nan)
+    h3 = 3 * target.config.hidden_size
+    gen = torch.Generator().manual_seed(1)
+    seqs = {"a": torch.randint(2, 64, (23,), generator=gen).tolist(), "b": torch.randint(2, 64, (14,), generator=gen).tolist()}
+    states = {r: torch.randn(len(s) + 6, h3, generator=gen) for r, s in seqs.items()}
+    starts = {"a": first, "b": 0}
+    for rid, s in seqs.items():  # the prompt's states (the last token is the root)
+        prop.observe_hidden(rid, starts[rid], states[rid][starts[rid]:len(s) - 1])
+    for step in range(2):
+        batch = [SpecRequest(rid, s, 4, GREEDY, None, max_nodes=7) for rid, s in seqs.items()]
+        trees = prop.propose(batch).trees
+        for (rid, s), tree in zip(seqs.items(), trees):
+            want = reference_tree(head, target.model.embed_tokens, states[rid][:len(s) - 1], s, starts[rid], 4, 3, 7)
+            assert tree_paths(tree) == want, (rid, step)
+        # Commit three tokens each (an accepted path of two drafts and a bonus) and their states.
+        for rid, s in seqs.items():
+            n = len(s)
+            seqs[rid] = s + torch.randint(2, 64, (3,), generator=gen).tolist()
+            prop.observe_hidden(rid, n - 1, states[rid][n - 1:n + 2])
