@@ -169,6 +169,18 @@ def test_write_eagle3_round_trips_and_reads_as_specforge_and_vllm_would(tmp_path
     assert_same(other.tensors, source.tensors)
 
 
+def test_write_eagle3_will_not_leave_stale_shards_beside_its_weights(tmp_path):
+    built = write_specforge(tmp_path / "sf", shards=2)
+    ckpt = read_eagle3(built.folder, TARGET)
+    with pytest.raises(ValueError, match="model.safetensors.index.json"):
+        write_eagle3(built.folder, ckpt.config, ckpt.tensors, {})
+    assert not (built.folder / "model.safetensors").exists()
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    refused(tmp_path, "has no config.json")
+
+
 def test_specserve_aux_layers_must_agree_with_what_other_engines_read(tmp_path):
     source = read_eagle3(write_eagle(tmp_path / "eagle").folder, DEEP)
     write_eagle3(tmp_path / "ours", source.config, source.tensors, {})

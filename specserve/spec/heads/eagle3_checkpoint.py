@@ -188,6 +188,10 @@ def write_eagle3(folder: str | Path, config: Eagle3Config, tensors: dict[str, to
                                                       "extra": extra}}
     text = json.dumps(doc, indent=2)  # before any file is written: unserialisable extra leaves nothing behind
     folder = Path(folder)
+    # Readers take an index's shards over model.safetensors: stale ones would shadow these weights.
+    stale = sorted(p.name for p in folder.glob("*.safetensors*") if p.name != "model.safetensors")
+    if stale:
+        raise ValueError(f"write_eagle3: {folder} already holds other weight files {stale}; write to an empty folder")
     folder.mkdir(parents=True, exist_ok=True)
     save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(text + "\n", encoding="utf-8")
