@@ -19,10 +19,10 @@ from tests.helpers import make_tiny_checkpoint
 RESULT_KEYS = {"method", "label", "draft", "num_speculative_tokens", "temperature", "tokens_per_s", "decode_tokens_per_s",
                "prefill_tokens_per_s",
                "speedup", "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "identical_to_baseline",
-               "num_prompts", "num_tokens", "per_category", "drafts_per_pass"}
+               "num_prompts", "num_tokens", "per_category", "drafts_per_pass", "draft_ms_per_pass", "target_ms_per_pass"}
 # Throughput mode: the same keys (figures over the whole run; no per-category split, since tokens/s
 # is over the run's wall time), plus the serving figures.
-THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category", "prefill_tokens_per_s"}) | {
+THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category", "prefill_tokens_per_s", "draft_ms_per_pass", "target_ms_per_pass"}) | {
     "concurrency", "wall_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
     "prefix_cache_hit_rate", "num_preemptions", "mean_chosen_depth"}
 
@@ -127,7 +127,7 @@ def test_measure_warms_up_then_interleaves_in_rotating_order():
 # ---- the command --------------------------------------------------------------------------------
 
 def test_parse_errors():
-    with pytest.raises(InvalidParameterError, match="none, ngram, suffix, .*draft_model:PATH, eagle:DIR, medusa:DIR"):
+    with pytest.raises(InvalidParameterError, match="none, ngram, suffix, .*draft_model:PATH, eagle:DIR, eagle3:DIR, medusa:DIR"):
         parse_methods("none,medusa2")
     for name in ("draft_model", "eagle", "medusa"):
         with pytest.raises(InvalidParameterError, match="needs a path"):

@@ -172,7 +172,7 @@ def run_bench(args) -> int:
     from tqdm import tqdm
 
     from specserve.bench.peers import PeerPlan, build_peers
-    from specserve.bench.runner import SpecserveRunner, measure, report
+    from specserve.bench.runner import SpecserveRunner, drafting_figures, measure, report
     from specserve.bench.throughput import run_throughput
     from specserve.bench.workload import Selection, load_workload, select
     from specserve.config_file import load_config_file
@@ -264,6 +264,8 @@ def run_bench(args) -> int:
             samples = measure(runners, prompt_ids, params_for, warmup, lambda: bar.update(1))
         results = [report(r.config, s, samples[0], categories, args.temperature,
                           passes if args.repeat > 1 else None) for r, s in zip(runners, samples)]
+        for r, res in zip(runners, results):
+            res.drafting = drafting_figures(r, results[0].overall)
         _print_table(results, time.perf_counter() - t0)
     doc = {"machine": machine, "model": loaded.name, "model_path": str(loaded.path), "settings": settings,
            "workload": workload, "results": [r.as_dict() for r in results]}
@@ -313,6 +315,16 @@ def _print_table(reports, seconds: float) -> None:
         print(f"{r.config.label:<{width}} {f.tokens_per_s:>8.1f} {f.decode_tokens_per_s:>8.1f} {f.prefill_tokens_per_s:>8.1f} "
               f"{_fmt(f.speedup, suffix='x'):>8} {_fmt(f.acceptance_rate):>7} {_fmt(f.mean_accepted_length):>6} "
               f"{_fmt(f.drafts_per_pass):>6} {_fmt(f.identical_to_baseline):>9}")
+    timed = [r for r in reports if r.drafting]
+    if timed or any(r.overall.draft_ms_per_pass is not None for r in reports):
+        plain = reports[0].overall.decode_tokens_per_s
+        print(f"\nms per target pass (plain: {_fmt(1e3 / plain if plain else None)}):")
+        print(f"{'configuration':<{width}} {'drafting':>9} {'target':>8} {'depth':>8} {'catch-up':>9} {'depth/pass':>10}")
+        for r in reports[1:]:
+            f, d = r.overall, r.drafting or {}
+            print(f"{r.config.label:<{width}} {_fmt(f.draft_ms_per_pass, '{:.2f}'):>9} "
+                  f"{_fmt(f.target_ms_per_pass, '{:.2f}'):>8} {_fmt(d.get('depth_ms'), '{:.3f}'):>8} "
+                  f"{_fmt(d.get('catch_up_ms'), '{:.3f}'):>9} {_fmt(d.get('depth_over_plain_pass'), '{:.3f}'):>10}")
     for title, groups in (("category", lambda r: r.per_category), ("pass", lambda r: r.per_pass)):
         cats = list(groups(reports[0]))
         if len(cats) > 1 and len(reports) > 1:
@@ -322,7 +334,10 @@ def _print_table(reports, seconds: float) -> None:
                 print(f"{r.config.label:<{width}} " + " ".join(f"{_fmt(groups(r)[c].speedup, suffix='x'):>11}" for c in cats))
     print(f"\n(tok/s: generated tokens over request time, prefill included; decode: after the first token; "
           f"prefill: prompt tokens over the time to the first token; "
-          f"tau: tokens per target pass; drafts: drafts verified per target pass; measured in {seconds:.0f}s)")
+          f"tau: tokens per target pass; drafts: drafts verified per target pass; drafting, target: ms per target "
+          f"pass spent drafting and in the target's pass; depth, catch-up: ms per drafting depth and per catch-up "
+          f"pass, where the method reports them; depth/pass: a depth over plain's one-token pass; "
+          f"measured in {seconds:.0f}s)")
 
 
 def _print_throughput_table(results, seconds: float) -> None:

@@ -73,6 +73,10 @@ class Figures:
     acceptance_by_position: list[float] | None
     identical_to_baseline: float | None  # fraction of prompts whose tokens equal plain's; greedy only
     drafts_per_pass: float | None = None  # drafts verified per target pass (adaptive k: what was chosen and found)
+    # Milliseconds per target pass (a step of one request): drafting (the proposer), and the
+    # target's pass with verification. Plain decoding's pass is 1000 / decode_tokens_per_s.
+    draft_ms_per_pass: float | None = None
+    target_ms_per_pass: float | None = None
 
     def as_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
@@ -82,7 +86,8 @@ class Figures:
                 "acceptance_rate": r(self.acceptance_rate), "mean_accepted_length": r(self.mean_accepted_length),
                 "acceptance_by_position": None if self.acceptance_by_position is None
                 else [r(a) for a in self.acceptance_by_position],
-                "identical_to_baseline": r(self.identical_to_baseline), "drafts_per_pass": r(self.drafts_per_pass)}
+                "identical_to_baseline": r(self.identical_to_baseline), "drafts_per_pass": r(self.drafts_per_pass),
+                "draft_ms_per_pass": r(self.draft_ms_per_pass), "target_ms_per_pass": r(self.target_ms_per_pass)}
 
 
 def rate(count: float, seconds: float) -> float:
@@ -112,6 +117,8 @@ def figures(samples: Sequence[Sample], baseline: Sequence[Sample], greedy: bool)
         acceptance_by_position=None if spec is None else spec.acceptance_by_position,
         identical_to_baseline=identical,
         drafts_per_pass=None if spec is None else rate(spec.num_drafted, spec.num_target_passes),
+        draft_ms_per_pass=None if spec is None else 1e3 * rate(spec.proposer_time_s, spec.num_target_passes),
+        target_ms_per_pass=None if spec is None else 1e3 * rate(spec.target_time_s, spec.num_target_passes),
     )
 
 
@@ -122,6 +129,9 @@ class Report:
     overall: Figures
     per_category: dict[str, Figures]
     per_pass: dict[str, Figures] = field(default_factory=dict)  # bench --repeat: "pass 1", "pass 2", ...
+    # A proposer's own timing (Eagle3Proposer.times: ms per catch-up pass and per growth depth),
+    # and that depth's cost over plain decoding's one-token pass in the same run.
+    drafting: dict | None = None
 
     def as_dict(self) -> dict:
         out = {"method": self.config.method, "label": self.config.label, "draft": self.config.draft,
@@ -129,6 +139,8 @@ class Report:
                **self.overall.as_dict(), "per_category": {c: f.as_dict() for c, f in self.per_category.items()}}
         if self.per_pass:
             out["per_pass"] = {p: f.as_dict() for p, f in self.per_pass.items()}
+        if self.drafting:
+            out["drafting"] = self.drafting
         return out
 
 
@@ -146,6 +158,21 @@ def report(config: Config, samples: list[Sample], baseline: list[Sample], catego
         return out
 
     return Report(config, temperature, figures(samples, baseline, greedy), by(categories), by(passes) if passes else {})
+
+
+def drafting_figures(runner: Runner, baseline: Figures) -> dict | None:
+    """The proposer's own timing where it keeps one (`times.as_dict()`), with one growth depth
+    over plain decoding's one-token pass (1000 / its decode tokens/s) of the same run."""
+    llm = getattr(runner, "llm", None)
+    times = getattr(getattr(getattr(llm, "engine", None), "proposer", None), "times", None)
+    if times is None:
+        return None
+    out = times.as_dict()
+    plain_ms = 1e3 / baseline.decode_tokens_per_s if baseline.decode_tokens_per_s else None
+    out["plain_pass_ms"] = None if plain_ms is None else round(plain_ms, 4)
+    out["depth_over_plain_pass"] = (round(out["depth_ms"] / plain_ms, 4)
+                                    if plain_ms and out.get("depth_ms") is not None else None)
+    return out
 
 
 def measure(runners: Sequence[Runner], prompts: Sequence[list[int]], params_for: Callable[[int], SamplingParams],

@@ -133,15 +133,14 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
 
     def save(report: HeldOutReport, state: Checkpoint) -> None:
         dtype = SAVE_DTYPES[cfg.save_dtype]
-        tensors = {k: (v if k == DRAFT_IDS else v.to(dtype)).detach().cpu().contiguous()
-                   for k, v in trainee.heads.state_dict().items()}
+        tensors = {k: v.detach().cpu() for k, v in trainee.heads.state_dict().items()}
         training = {"command": cfg.command, "seed": cfg.seed, "settings": cfg.identity(), "epochs": state.epochs_done,
                     "num_sequences": len(data), "answer_tokens": data.num_answer_tokens(train_ids),
                     "data_seconds": round(t_data), "total_seconds": round(time.perf_counter() - t0),
                     "held_out": report.as_dict(), "history": state.history,
                     "draft_vocab_coverage": round(coverage, 4)}
         write_eagle3(out, trainee.heads.config, tensors,
-                     {"target": dataclasses.asdict(TargetIdentity.of(target)), "training": training})
+                     {"target": dataclasses.asdict(TargetIdentity.of(target)), "training": training}, dtype=dtype)
 
     if has_checkpoint(ckpt):
         state = load_checkpoint(ckpt, trainee, opt)

@@ -164,8 +164,9 @@ def read_eagle3(folder: str | Path, target: ModelConfig) -> Eagle3Checkpoint:
     return Eagle3Checkpoint(config=config, tensors=tensors, own_embedding=own, layout=layout, extra=extra)
 
 
-def write_eagle3(folder: str | Path, config: Eagle3Config, tensors: dict[str, torch.Tensor], extra: dict) -> None:
-    """specserve's drafter files: model.safetensors (float32, SpecForge names, d2t/t2d) and a
+def write_eagle3(folder: str | Path, config: Eagle3Config, tensors: dict[str, torch.Tensor], extra: dict,
+                 dtype: torch.dtype = torch.float32) -> None:
+    """specserve's drafter files: model.safetensors (`dtype`, SpecForge names, d2t/t2d) and a
     config.json SGLang and vLLM read, with the "specserve" object. `tensors` holds every
     canonical tensor, embed_tokens.weight [V, H] optionally; `extra` must be JSON-serialisable."""
     want = config.tensor_shapes() | {OWN_EMBEDDING: (config.vocab_size, config.hidden_size)}
@@ -181,10 +182,12 @@ def write_eagle3(folder: str | Path, config: Eagle3Config, tensors: dict[str, to
     if outside or draft_ids.unique().numel() != draft_ids.numel():
         raise ValueError("write_eagle3: draft_ids must be distinct target ids in [0, vocab_size)")
     names = {canonical: ours for ours, canonical in checkpoint_names("specserve").items()}
-    out = {names[n]: t.detach().to("cpu", torch.float32).contiguous() for n, t in tensors.items() if n != DRAFT_IDS}
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"write_eagle3: dtype {dtype} is not float32, bfloat16 or float16")
+    out = {names[n]: t.detach().to("cpu", dtype).contiguous() for n, t in tensors.items() if n != DRAFT_IDS}
     out[_D2T] = draft_ids - torch.arange(config.draft_vocab_size)
     out[_T2D] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True)
-    doc = _specforge_config(config) | {"specserve": {"format": SPECSERVE_FORMAT, "aux_layers": list(config.aux_layers),
+    doc = _specforge_config(config, str(dtype).removeprefix("torch.")) | {"specserve": {"format": SPECSERVE_FORMAT, "aux_layers": list(config.aux_layers),
                                                       "extra": extra}}
     text = json.dumps(doc, indent=2)  # before any file is written: unserialisable extra leaves nothing behind
     folder = Path(folder)
@@ -197,7 +200,7 @@ def write_eagle3(folder: str | Path, config: Eagle3Config, tensors: dict[str, to
     (folder / "config.json").write_text(text + "\n", encoding="utf-8")
 
 
-def _specforge_config(cfg: Eagle3Config) -> dict:
+def _specforge_config(cfg: Eagle3Config, dtype: str) -> dict:
     """SpecForge's config keys (what SGLang's LlamaForCausalLMEagle3 and vLLM's
     Eagle3LlamaForCausalLM read), aux layers in each engine's convention."""
     return {
@@ -207,7 +210,7 @@ def _specforge_config(cfg: Eagle3Config) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling, "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-        "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": "float32",
+        "tie_word_embeddings": False, "attention_bias": False, "torch_dtype": dtype,
         "norm_before_residual": cfg.norm_before_residual,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layers),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in cfg.aux_layers],
