@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.errors import InvalidParameterError
 from specserve.model.attention import AttentionMetadata, DenseKVCache
 from specserve.model.config import ModelConfig, check_layer_subset, rope_inv_freq
 from specserve.model.flat_attention import FlatKV, GatherBuffers, flat_metadata
@@ -122,9 +123,21 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), x)
 
 
+def check_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """`aux_layers` (the layers whose entering residual streams a pass captures, EAGLE-3's
+    target states) as a tuple of strictly increasing indices in [0, num_layers), at least one."""
+    aux = tuple(aux_layers)
+    if (not aux or any(isinstance(i, bool) or not isinstance(i, int) for i in aux)
+            or any(b <= a for a, b in zip(aux, aux[1:])) or aux[0] < 0 or aux[-1] >= num_layers):
+        raise InvalidParameterError("aux_layers", list(aux),
+                                    f"must be strictly increasing layer indices in [0, {num_layers}), at least one")
+    return aux
+
+
 class LlamaModel(nn.Module):
     """forward(input_ids [B, T], meta, cache) -> hidden states [B, T, hidden] (padded batches);
     forward_flat(flat, k, v) -> hidden [N, hidden] (a flattened pass, the native model's call);
+    forward_flat_aux(flat, k, v, aux_layers) -> the same and the captured residual streams;
     compute_logits(hidden [..., hidden]) -> float32 logits [..., vocab]."""
 
     def __init__(self, cfg: ModelConfig, positions: int | None = None):
@@ -168,13 +181,28 @@ class LlamaModel(nn.Module):
         """The tokens of every request in one pass, without padding (NativeLlamaModel.forward_flat's
         call and semantics). flat: on the host; k, v: [num_layers, rows, Hkv, D], the cache pools
         viewed by cache row -> hidden [N, hidden]."""
+        return self._flat_pass(flat, k, v, ())[0]
+
+    def forward_flat_aux(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor,
+                         aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_flat, also capturing the residual stream entering each layer of `aux_layers`
+        (strictly increasing) -> hidden [N, hidden], aux [N, len(aux_layers) * hidden] (layer
+        aux_layers[j]'s input in columns [j * hidden, (j + 1) * hidden))."""
+        return self._flat_pass(flat, k, v, check_aux_layers(aux_layers, len(self.layers)))
+
+    def _flat_pass(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor,
+                   aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         meta = flat_metadata(flat, self.device, k.dtype)
         cache = FlatKV(k, v, self.kv_gather)
         x = self.embed_tokens(meta.token_ids)  # [N, hidden]
         cos, sin = self.rotary.tables(meta.positions, x.dtype)  # [N, 1, head_dim]
-        for layer in self.layers:
+        captured = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                captured.append(x)  # a layer returns a new tensor: x itself is never written
             x = layer(x, cos, sin, meta, cache)
-        return self.norm(x)
+        aux = torch.cat(captured, dim=-1) if captured else x.new_empty(x.shape[0], 0)
+        return self.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -30,7 +30,7 @@ from torch import nn
 from specserve.errors import ModelLoadError
 from specserve.model.config import ModelConfig, check_layer_subset
 from specserve.model.flat_batch import FlatBatch
-from specserve.model.llama import RotaryEmbedding
+from specserve.model.llama import RotaryEmbedding, check_aux_layers
 
 # What --quantization asks for a float weight, and the format a weight without a kernel of its
 # own is requantized to.
@@ -131,7 +131,8 @@ class NativeParts:
 
 
 class NativeLlamaModel(nn.Module):
-    """forward_flat(batch, cache) -> final hidden states [N, hidden]; compute_logits(hidden
+    """forward_flat(batch, cache) -> final hidden states [N, hidden]; forward_flat_aux(batch,
+    cache, aux_layers) -> the same and the residual streams entering those layers; compute_logits(hidden
     [..., hidden]) -> float32 logits [..., vocab]. CPU only, float32 activations, float16 KV cache."""
 
     native = True
@@ -189,6 +190,21 @@ class NativeLlamaModel(nn.Module):
         return self.core.forward(self.level, x, batch.positions, batch.slots, k_cache, v_cache, batch.block_size,
                                  batch.q_start, batch.block_table, batch.prefix_len, batch.tree_row,
                                  batch.tree_start, batch.tree_size, batch.tree_mask)
+
+    def forward_flat_aux(self, batch: FlatBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_flat, also capturing the residual stream entering each layer of `aux_layers`
+        (strictly increasing indices of this model's layers) in the same pass -> hidden
+        [N, hidden], aux [N, len(aux_layers) * hidden] (layer aux_layers[j]'s input in columns
+        [j * hidden, (j + 1) * hidden)). The hidden states are bit-identical to forward_flat's."""
+        aux_layers = check_aux_layers(aux_layers, len(self.keep))
+        x = self.embed_tokens(batch.token_ids)  # [N, hidden]
+        aux = torch.empty(x.shape[0], len(aux_layers) * self.config.hidden_size)
+        hidden = self.core.forward(self.level, x, batch.positions, batch.slots, k_cache, v_cache, batch.block_size,
+                                   batch.q_start, batch.block_table, batch.prefix_len, batch.tree_row,
+                                   batch.tree_start, batch.tree_size, batch.tree_mask,
+                                   torch.tensor(aux_layers, dtype=torch.int64), aux)
+        return hidden, aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1]).float()

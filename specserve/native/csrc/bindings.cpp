@@ -1,6 +1,6 @@
 // The Python module: the kernel families' entry points (their *_py.inc files, compiled here in
 // one translation unit, since every file that includes torch's extension headers costs ~40 s of
-// the build) and the native model's classes (model.cpp).
+// the build), the native model's classes (model.cpp) and the native EAGLE-3 drafter (eagle3.cpp).
 #include <torch/extension.h>
 
 #include "common.h"
@@ -9,6 +9,7 @@
 
 namespace specserve {
 void register_model(pybind11::module_& m);
+void register_eagle3(pybind11::module_& m);
 }
 
 namespace {
@@ -29,4 +30,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   specserve::register_gemm(m);
   specserve::register_layer_ops(m);
   specserve::register_model(m);
+  specserve::register_eagle3(m);
 }

@@ -175,7 +175,7 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
                      const AttentionBatch& batch, float* out, int64_t ldo) {
   const AttendFn fn = kernels(level).attend;
   const int64_t group = heads / kv_heads;
-  // Per sequence: the slots any of its queries sees.
+  // Per sequence: the slots any of its queries sees, from its kv_start on.
   std::vector<int64_t> num_keys(batch.num_seqs);
   int64_t work = 0;  // (row, key) pairs of the whole call
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
@@ -184,7 +184,7 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
       hi = std::max(hi, batch.prefix_len[i]);
       if (batch.tree_row && batch.tree_row[i] >= 0) hi = std::max(hi, batch.tree_start[s] + batch.tree_size[s]);
     }
-    num_keys[s] = hi;
+    num_keys[s] = std::max<int64_t>(0, hi - (batch.kv_start ? batch.kv_start[s] : 0));
     work += (batch.q_start[s + 1] - batch.q_start[s]) * heads * hi;
   }
   // One task per (sequence, kv head); below ~a few thousand pairs the call takes microseconds
@@ -194,8 +194,10 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   at::parallel_for(0, tasks, grain, [&](int64_t b, int64_t e) {
     // Kept per thread across calls: fresh memory of this size would be page-faulted in anew.
     thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> shifted;  // prefix_len counted from kv_start
     for (int64_t task = b; task < e; ++task) {
       const int64_t s = task / kv_heads, kvh = task % kv_heads, i0 = batch.q_start[s];
+      const int64_t k0 = batch.kv_start ? batch.kv_start[s] : 0;
       AttentionTask t{};
       t.num_q = batch.q_start[s + 1] - i0;
       if (t.num_q == 0) continue;
@@ -207,10 +209,15 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
       t.head_dim = head_dim;
       t.scale = scale;
       t.prefix_len = batch.prefix_len + i0;
+      if (k0 > 0) {
+        shifted.resize(static_cast<size_t>(t.num_q));
+        for (int64_t j = 0; j < t.num_q; ++j) shifted[j] = std::max<int64_t>(0, batch.prefix_len[i0 + j] - k0);
+        t.prefix_len = shifted.data();
+      }
       if (batch.tree_row) {
         t.tree_row = batch.tree_row + i0;
         t.tree_mask = batch.tree_mask;
-        t.tree_start = batch.tree_start[s];
+        t.tree_start = batch.tree_start[s] - k0;  // may fall below 0: those nodes' slots are hidden
         t.tree_size = batch.tree_size[s];
       }
       t.k = k_pool + kvh * head_dim;
@@ -219,6 +226,7 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
       t.block_size = block_size;
       t.slot_stride = kv_heads * head_dim;
       t.num_keys = num_keys[s];
+      t.first_slot = k0;
       scratch.resize(static_cast<size_t>(attention_scratch_floats(t)));
       fn(t, scratch.data());
     }

@@ -48,7 +48,9 @@ void round_to_half(int level, const float* x, int64_t n, uint16_t* y);
 // Query i sees the slots [0, prefix_len[i]) of its sequence and, when tree_row[i] >= 0, also the
 // slots tree_start[s] + m for the m < tree_size[s] with tree_mask[tree_row[i] + m] != 0 (a token
 // tree's ancestors; tree slots lie at or after prefix_len[i]). A causal chain token at position p
-// has prefix_len p + 1 and tree_row -1.
+// has prefix_len p + 1 and tree_row -1. When kv_start is given, no query of sequence s sees a
+// slot below kv_start[s] (a drafter's cache whose entries begin after a prefix-cache hit: the
+// slots before were never written); null is kv_start 0 everywhere.
 struct AttentionBatch {
   int64_t num_seqs;
   const int64_t* q_start;      // [num_seqs + 1]
@@ -59,6 +61,7 @@ struct AttentionBatch {
   const int64_t* tree_start;  // [num_seqs]
   const int64_t* tree_size;   // [num_seqs]
   const uint8_t* tree_mask;   // flat rows of tree_size[s] bytes
+  const int64_t* kv_start;    // [num_seqs] first visible slot of each sequence; null: 0
 };
 
 // out[i, h * head_dim + d] for every query row i and head h < heads:

@@ -87,7 +87,9 @@ inline void rope_pairs(float* xh, const float* c, const float* s, int64_t from, 
 //
 // Its rows are r = t * group + g for the sequence's query tokens t < num_q and the query heads
 // g < group that share kv head `kvh`; all of them are computed together so that each K and V
-// row is read once. Keys are the sequence's slots [0, num_keys).
+// row is read once. Keys are the sequence's slots [first_slot, first_slot + num_keys), numbered
+// from 0 here: prefix_len and tree_start count from first_slot (AttentionBatch's kv_start), so
+// the levels' loops never meet a hidden slot.
 struct AttentionTask {
   const float* q;  // row r at q + t * ldq + g * head_dim (the first head of this kv head's group)
   int64_t ldq;
@@ -105,6 +107,7 @@ struct AttentionTask {
   int64_t block_size;
   int64_t slot_stride;  // halves from one slot to the next (kv_heads * head_dim)
   int64_t num_keys;
+  int64_t first_slot;  // the sequence's slot of key 0
 
   int64_t rows() const { return num_q * group; }
   int64_t keys_padded() const { return (num_keys + 15) / 16 * 16; }
@@ -139,15 +142,16 @@ inline int64_t attention_scratch_floats(const AttentionTask& t) {
   return t.rows() * (t.keys_padded() + t.head_dim + 1) + t.head_dim;
 }
 
-// Walks a sequence's slots 0, 1, 2, ... through its block table, giving each slot's offset in
-// the pool (in halves, from the task's k or v).
+// Walks a task's keys first_key, first_key + 1, ... (sequence slots from t.first_slot +
+// first_key) through its block table, giving each slot's offset in the pool (in halves, from the
+// task's k or v).
 struct SlotCursor {
   const int64_t* blocks;
   int64_t block_size, slot_stride, block = 0, offset = 0;
 
-  SlotCursor(const AttentionTask& t, int64_t first_slot)
+  SlotCursor(const AttentionTask& t, int64_t first_key)
       : blocks(t.blocks), block_size(t.block_size), slot_stride(t.slot_stride),
-        block(first_slot / t.block_size), offset(first_slot % t.block_size) {}
+        block((t.first_slot + first_key) / t.block_size), offset((t.first_slot + first_key) % t.block_size) {}
 
   int64_t next() {
     const int64_t at = (blocks[block] * block_size + offset) * slot_stride;

@@ -9,85 +9,22 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "layer_ops.h"
+#include "model_parts.h"
 #include "qgemm.h"
 
 namespace specserve {
 
 namespace {
 
-// A weight matrix [rows, cols] as packed units; rows padded to a multiple of 16 inside `units`.
-struct QMatrix {
-  int64_t format;
-  torch::Tensor units;  // uint8 [rows / 16, cols / 32, unit_bytes]
-  int64_t rows, cols;
-  torch::Tensor bias;  // float32 [rows] or undefined
-
-  QMatrix(int64_t format_, torch::Tensor units_, int64_t rows_, int64_t cols_, c10::optional<torch::Tensor> bias_)
-      : format(format_), units(std::move(units_)), rows(rows_), cols(cols_) {
-    TORCH_CHECK(format_supported(static_cast<int>(format)), "weight format ", format, " has no kernel");
-    TORCH_CHECK(units.dtype() == torch::kUInt8 && units.dim() == 3 && units.is_contiguous(),
-                "units must come from repack");
-    TORCH_CHECK(rows % kUnitRows == 0 && units.size(0) * kUnitRows == rows, "a fused matrix needs rows padded to 16");
-    TORCH_CHECK(cols % kBlock == 0 && units.size(1) * kBlock == cols, "units do not hold ", cols, " columns");
-    TORCH_CHECK(units.size(2) == static_cast<int64_t>(unit_bytes(static_cast<int>(format))), "units of another format");
-    if (bias_ && bias_->defined()) {
-      TORCH_CHECK(bias_->dtype() == torch::kFloat32 && bias_->numel() == rows && bias_->is_contiguous(),
-                  "bias must be contiguous float32 [rows]");
-      bias = *bias_;
-    }
-  }
-
-  // y[t, 0..rows) = act[t] W^T (+ bias) (+ residual: may alias y).
-  void apply(int level, const ActBlock* act, int64_t n, const float* residual, int64_t ldr, float* y,
-             int64_t ldy) const {
-    gemm_rows(level, static_cast<int>(format), units.data_ptr<uint8_t>(), rows, cols / kBlock, act, n,
-              bias.defined() ? bias.data_ptr<float>() : nullptr, residual, ldr, y, ldy);
-  }
-};
-
-// Matrices stacked by rows ([q | k | v], [gate | up]), each in its own format: quantized GGUFs
-// often mix formats within a layer (Q4_K_M keeps attn_v in Q6_K next to Q4_K q and k).
-struct Stacked {
-  std::vector<QMatrix> parts;
-  int64_t rows = 0, cols = 0;
-
-  explicit Stacked(std::vector<QMatrix> parts_) : parts(std::move(parts_)) {
-    TORCH_CHECK(!parts.empty(), "a matrix needs at least one part");
-    cols = parts[0].cols;
-    for (const QMatrix& p : parts) {
-      TORCH_CHECK(p.cols == cols, "stacked parts must have the same columns");
-      rows += p.rows;
-    }
-  }
-
-  void apply(int level, const ActBlock* act, int64_t n, const float* residual, int64_t ldr, float* y,
-             int64_t ldy) const {
-    int64_t col = 0;
-    for (const QMatrix& p : parts) {
-      p.apply(level, act, n, residual ? residual + col : nullptr, ldr, y + col, ldy);
-      col += p.rows;
-    }
-  }
-};
-
 struct Layer {
   torch::Tensor attn_norm, ffn_norm;  // float32 [hidden]
   Stacked qkv, o, gate_up, down;  // qkv: [q | k | v] rows; gate_up: [gate | up] rows
 };
-
-void check_vector(const torch::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 1 && t.size(0) == n && t.is_contiguous(), what,
-              " must be contiguous float32 [", n, "]");
-}
-
-void check_index(const torch::Tensor& t, int64_t n, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kInt64 && t.is_contiguous() && t.numel() == n, what, " must be contiguous int64 [",
-              n, "]");
-}
 
 }  // namespace
 
@@ -113,61 +50,49 @@ class NativeModel {
     }
     check_vector(final_norm_, hidden, "final_norm");
     TORCH_CHECK(lm_head_.cols == hidden, "lm_head must have hidden columns");
-    TORCH_CHECK(cos_.dtype() == torch::kFloat32 && cos_.dim() == 2 && cos_.size(1) == head_dim / 2 &&
-                    cos_.is_contiguous() && sin_.sizes() == cos_.sizes() && sin_.is_contiguous(),
-                "cos and sin must be contiguous float32 [max_positions, head_dim / 2]");
+    check_rope_tables(cos_, sin_, head_dim);
   }
 
   // x: float32 [n, hidden] embeddings -> final hidden states [n, hidden] (after the final norm).
   // k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float16, `rows` slots per layer
   // grouped in blocks of block_size; slots[i] is where token i's key and value go.
+  // aux_layers int64 [k] (strictly increasing layer indices) with aux_out float32 [n, k * hidden]:
+  // the residual stream entering layer aux_layers[j] is copied to aux_out[:, j * hidden : (j + 1) * hidden]
+  // (EAGLE-3's captured states, taken in the same pass).
   torch::Tensor forward(int64_t level, torch::Tensor x, torch::Tensor positions, torch::Tensor slots,
                         torch::Tensor k_cache, torch::Tensor v_cache, int64_t block_size, torch::Tensor q_start,
                         torch::Tensor block_table, torch::Tensor prefix_len, c10::optional<torch::Tensor> tree_row,
                         c10::optional<torch::Tensor> tree_start, c10::optional<torch::Tensor> tree_size,
-                        c10::optional<torch::Tensor> tree_mask) {
+                        c10::optional<torch::Tensor> tree_mask, c10::optional<torch::Tensor> aux_layers,
+                        c10::optional<torch::Tensor> aux_out) {
     const int lv = static_cast<int>(level);
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_ && x.is_contiguous(),
                 "x must be contiguous float32 [n, hidden]");
     const int64_t n = x.size(0);
     check_index(positions, n, "positions");
-    check_index(slots, n, "slots");
-    check_index(prefix_len, n, "prefix_len");
     const int64_t num_layers = static_cast<int64_t>(layers_.size());
-    TORCH_CHECK(k_cache.dtype() == torch::kHalf && k_cache.is_contiguous() && k_cache.dim() == 4 &&
-                    k_cache.size(0) == num_layers && k_cache.size(2) == kv_heads_ && k_cache.size(3) == head_dim_ &&
-                    v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() && v_cache.dtype() == torch::kHalf,
-                "k_cache and v_cache must be contiguous float16 [layers, rows, kv_heads, head_dim], got ",
-                k_cache.dtype(), " ", k_cache.sizes(), " and ", v_cache.dtype(), " ", v_cache.sizes());
-    const int64_t cache_rows = k_cache.size(1);
-    TORCH_CHECK(block_size >= 1 && cache_rows % block_size == 0, "cache rows must be whole blocks");
-    TORCH_CHECK(q_start.dtype() == torch::kInt64 && q_start.is_contiguous() && q_start.dim() == 1 &&
-                    q_start.size(0) >= 2 && q_start[-1].item<int64_t>() == n,
-                "q_start must be int64 [num_seqs + 1] ending at the token count");
-    const int64_t num_seqs = q_start.size(0) - 1;
-    TORCH_CHECK(block_table.dtype() == torch::kInt64 && block_table.dim() == 2 && block_table.size(0) == num_seqs &&
-                    block_table.is_contiguous(),
-                "block_table must be contiguous int64 [num_seqs, blocks]");
+    const int64_t cache_rows = check_kv_cache(k_cache, v_cache, num_layers, kv_heads_, head_dim_, block_size);
+    const AttentionBatch batch =
+        attention_batch(n, q_start, block_table, prefix_len, tree_row, tree_start, tree_size, tree_mask);
+    check_slots(slots, n, cache_rows);
     const int64_t* slot = slots.data_ptr<int64_t>();
-    for (int64_t i = 0; i < n; ++i)
-      TORCH_CHECK(slot[i] >= 0 && slot[i] < cache_rows, "slot ", slot[i], " is outside the cache");
-
-    AttentionBatch batch{};
-    batch.num_seqs = num_seqs;
-    batch.q_start = q_start.data_ptr<int64_t>();
-    batch.block_table = block_table.data_ptr<int64_t>();
-    batch.bt_stride = block_table.size(1);
-    batch.prefix_len = prefix_len.data_ptr<int64_t>();
-    if (tree_row && tree_row->defined()) {
-      TORCH_CHECK(tree_start && tree_size && tree_mask, "a tree needs tree_start, tree_size and tree_mask");
-      check_index(*tree_row, n, "tree_row");
-      check_index(*tree_start, num_seqs, "tree_start");
-      check_index(*tree_size, num_seqs, "tree_size");
-      TORCH_CHECK(tree_mask->dtype() == torch::kUInt8 && tree_mask->is_contiguous(), "tree_mask must be uint8");
-      batch.tree_row = tree_row->data_ptr<int64_t>();
-      batch.tree_start = tree_start->data_ptr<int64_t>();
-      batch.tree_size = tree_size->data_ptr<int64_t>();
-      batch.tree_mask = tree_mask->data_ptr<uint8_t>();
+    const int64_t* aux = nullptr;
+    int64_t num_aux = 0;
+    float* aux_dst = nullptr;
+    TORCH_CHECK(aux_layers.has_value() == aux_out.has_value(), "aux_layers and aux_out come together or not at all");
+    if (aux_layers) {
+      TORCH_CHECK(aux_layers->dtype() == torch::kInt64 && aux_layers->dim() == 1 && aux_layers->is_contiguous(),
+                  "aux_layers must be a contiguous int64 vector, got ", aux_layers->dtype(), " ", aux_layers->sizes());
+      aux = aux_layers->data_ptr<int64_t>();
+      num_aux = aux_layers->size(0);
+      for (int64_t j = 0; j < num_aux; ++j)
+        TORCH_CHECK(aux[j] >= 0 && aux[j] < num_layers && (j == 0 || aux[j] > aux[j - 1]), "aux_layers[", j, "] = ",
+                    aux[j], ": aux_layers must be strictly increasing layer indices in [0, ", num_layers, ")");
+      TORCH_CHECK(aux_out->dtype() == torch::kFloat32 && aux_out->is_contiguous() && aux_out->dim() == 2 &&
+                      aux_out->size(0) == n && aux_out->size(1) == num_aux * hidden_,
+                  "aux_out must be contiguous float32 [", n, ", ", num_aux * hidden_, "], got ", aux_out->dtype(),
+                  " ", aux_out->sizes());
+      aux_dst = aux_out->data_ptr<float>();
     }
 
     const int64_t qd = heads_ * head_dim_, kvd = kv_heads_ * head_dim_, qkv_w = qd + 2 * kvd;
@@ -187,8 +112,14 @@ class NativeModel {
     uint16_t* k_base = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::Half>());
     uint16_t* v_base = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::Half>());
 
+    int64_t next_aux = 0;
     for (int64_t li = 0; li < num_layers; ++li) {
       const Layer& L = layers_[li];
+      if (next_aux < num_aux && aux[next_aux] == li) {
+        for (int64_t i = 0; i < n; ++i)
+          std::copy(xs + i * hidden_, xs + (i + 1) * hidden_, aux_dst + i * num_aux * hidden_ + next_aux * hidden_);
+        ++next_aux;
+      }
       uint16_t* kc = k_base + li * layer_halves;  // [rows, kv_heads, head_dim] halves
       uint16_t* vc = v_base + li * layer_halves;
       rmsnorm(lv, xs, hidden_, n, hidden_, L.attn_norm.data_ptr<float>(), eps_, h, hidden_);
@@ -266,8 +197,8 @@ void register_model(pybind11::module_& m) {
       .def("forward", &NativeModel::forward, py::arg("level"), py::arg("x"), py::arg("positions"), py::arg("slots"),
            py::arg("k_cache"), py::arg("v_cache"), py::arg("block_size"), py::arg("q_start"), py::arg("block_table"),
            py::arg("prefix_len"), py::arg("tree_row") = py::none(), py::arg("tree_start") = py::none(),
-           py::arg("tree_size") = py::none(), py::arg("tree_mask") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("tree_size") = py::none(), py::arg("tree_mask") = py::none(), py::arg("aux_layers") = py::none(),
+           py::arg("aux_out") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def("logits", &NativeModel::logits, py::arg("level"), py::arg("h"), py::call_guard<py::gil_scoped_release>());
 }
 
