@@ -5,6 +5,7 @@ kv_start in the attention kernel itself (exact, every level); bad input refused.
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -168,8 +169,6 @@ def test_every_level_computes_the_same_bits(pair):
 
 def test_norm_before_residual_and_a_padded_vocabulary():
     """speculators' variant (the normed feature is the residual) and Vd = 90, not a multiple of 16."""
-    from dataclasses import replace
-
     cfg = replace(CFG, norm_before_residual=True, draft_vocab_size=90)
     head = make_head(cfg, seed=5)
     drafter = NativeEagle3Drafter.from_head(head, native.load(), LEVELS[-1])
