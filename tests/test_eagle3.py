@@ -8,14 +8,18 @@ import math
 import pytest
 import torch
 
+from specserve import native
 from specserve.config import EngineConfig
 from specserve.drafts import SpecRequest
+from specserve.llm import LLM
 from specserve.model.attention import attention
+from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec.eagle3 import Eagle3Proposer
 from specserve.spec.heads.eagle3 import Eagle3Head
 from specserve.spec.heads.eagle3_config import Eagle3Config
 from specserve.spec.heads.eagle3_loader import Eagle3Drafter
+from tests.helpers import ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
@@ -133,3 +137,54 @@ def test_batched_paged_tree_growth_equals_a_dense_recomputation(tiny, first):
             n = len(s)
             seqs[rid] = s + torch.randint(2, 64, (3,), generator=gen).tolist()
             prop.observe_hidden(rid, n - 1, states[rid][n - 1:n + 2])
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+def save_random_drafter(folder, target, **kw):
+    from specserve.spec.heads.eagle3_checkpoint import write_eagle3
+
+    head = random_head(target, **kw)
+    write_eagle3(folder, head.config, head.state_dict(), {})
+    return str(folder)
+
+
+def outputs(llm, prompts, params=GREEDY):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], LLM.aggregate_spec_stats(outs)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_greedy_eagle3_equals_plain_on_the_torch_path(tiny, tmp_path, max_num_seqs):
+    """A random drafter (most drafts rejected) over a float32 target: every output is plain's,
+    single and batched, and the drafter reads the layers it names (a shallow target repeats one)."""
+    folder = save_random_drafter(tmp_path / "d", tiny["loaded"], aux=(0, 1, 1), vocab=list(range(2, 50)))
+    prompts = ragged_prompts(5, seed=2)
+    plain, _ = outputs(LLM(loaded=tiny["loaded"], max_num_seqs=1), prompts)
+    llm = LLM(loaded=tiny["loaded"], max_num_seqs=max_num_seqs, speculative_config={
+        "method": "eagle3", "model": folder, "num_speculative_tokens": 3, "num_draft_nodes": 6})
+    assert llm.engine.proposer.drafter.native is None
+    got, stats = outputs(llm, prompts)
+    assert got == plain and stats.num_drafted > 0
+
+
+@pytest.fixture(scope="module")
+def smollm_native():
+    return load_model("default")
+
+
+@pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+def test_greedy_eagle3_on_the_native_kernels_equals_plain(smollm_native, tmp_path):
+    """The embedded model on its native kernels with a random drafter drafting natively: the
+    three captured states come from the target's own pass, and every output is plain's."""
+    folder = save_random_drafter(tmp_path / "d", smollm_native, aux=(2, 15, 27), vocab=list(range(0, 4096)),
+                                 scale=1.0)
+    prompts = [smollm_native.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in (
+        "Count from one to ten in words.", "Write a haiku about rain.", "What is 12 times 7?")]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    plain, _ = outputs(LLM(loaded=smollm_native, max_num_seqs=3), prompts, params)
+    llm = LLM(loaded=smollm_native, max_num_seqs=3, speculative_config={
+        "method": "eagle3", "model": folder, "num_speculative_tokens": 4})
+    assert llm.engine.proposer.drafter.native is not None
+    got, stats = outputs(llm, prompts, params)
+    assert got == plain and stats.num_drafted > 0

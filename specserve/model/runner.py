@@ -102,7 +102,12 @@ class ModelRunner:
         k, v = self.cache.k, self.cache.v
         k, v = k.view(k.shape[0], -1, *k.shape[-2:]), v.view(v.shape[0], -1, *v.shape[-2:])
         if batch.keep_hidden and batch.aux_layers:
-            hidden, aux = self.model.forward_flat_aux(flat, k, v, batch.aux_layers)
+            # The model captures each layer once; a shallow model's drafter may name one twice.
+            unique = tuple(sorted(set(batch.aux_layers)))
+            hidden, aux = self.model.forward_flat_aux(flat, k, v, unique)
+            if unique != tuple(batch.aux_layers):
+                pick = [unique.index(i) for i in batch.aux_layers]
+                aux = aux.view(aux.shape[0], len(unique), -1)[:, pick].reshape(aux.shape[0], -1)
             return hidden, flat, aux
         return self.model.forward_flat(flat, k, v), flat, None  # [N, hidden]
 

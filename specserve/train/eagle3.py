@@ -38,6 +38,9 @@ from specserve.train.trainer import (Checkpoint, TrainPlan, checkpoint_vocab, ha
 
 @dataclass(frozen=True, slots=True)
 class _Method:
+    """The part of a drafter's config the shared trainer and evaluator read."""
+
+    draft_vocab_size: int
     method: str = "eagle3"
 
 
@@ -63,7 +66,7 @@ class Eagle3Trainee:
     heads: Eagle3Head
     vocab: _DraftHead
     embed: nn.Module  # the target's frozen embedding
-    config: _Method = _Method()
+    config: _Method
 
 
 def eagle3_config(target: LoadedModel, draft_vocab_size: int) -> Eagle3Config:
@@ -86,7 +89,7 @@ def new_trainee(target: LoadedModel, draft_ids: torch.Tensor) -> Eagle3Trainee:
         head.lm_head.weight.copy_(vocab_projection_weight(target)[draft_ids.to(target.model.device)].float().cpu())
         head.norm.weight.copy_(_final_norm(target))
     head = head.to(target.model.device)
-    return Eagle3Trainee(head, _DraftHead(head), target.model.embed_tokens)
+    return Eagle3Trainee(head, _DraftHead(head), target.model.embed_tokens, _Method(len(draft_ids)))
 
 
 def _final_norm(target: LoadedModel) -> torch.Tensor:

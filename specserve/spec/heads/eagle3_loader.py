@@ -130,7 +130,9 @@ class Eagle3Drafter:
              v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting pass (module note) -> (out [N, H], logits [N, Vd])."""
         if self.native is not None:
-            return self.native.step(embeds, feature, p, k_rows, v_rows)
+            return self.native.step(embeds.contiguous(), feature.contiguous(), p.positions, p.write_rows, k_rows,
+                                    v_rows, p.block_size, p.q_start, p.block_table, p.prefix_len, p.kv_start,
+                                    p.tree_row, p.tree_start, p.tree_size, p.tree_mask)
         head = self.head
         if feature.shape[-1] == 3 * self.config.target_hidden_size:  # the target's states: depth 1
             feature = head.fuse(feature)
