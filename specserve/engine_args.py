@@ -64,7 +64,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     """generate's and serve's speculation: one method (bench sweeps several with --methods)."""
     p.add_argument("--speculative", choices=SPECULATIVE_METHODS, default=None, help="drafting method (default none)")
     p.add_argument("--draft-model", default=None,
-                   help="draft model path for draft_model; the `specserve train-draft` folder for eagle and medusa")
+                   help="draft model path for draft_model; the drafter folder for eagle3 (`train-draft` or a published "
+                        "EAGLE-3 checkpoint), eagle and medusa; 'default': the drafter shipped for the embedded model")
     p.add_argument("--num-speculative-tokens", type=_speculative_tokens_arg, default=None,
                    help="tokens drafted per step (k), or 'auto' (the default): the engine chooses k each step, up to a cap")
     add_lookup_args(p)
@@ -105,9 +106,10 @@ def add_self_spec_args(p: argparse.ArgumentParser) -> None:
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-nodes", type=int, default=None,
-                   help="eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
-                        "--num-speculative-tokens); default: eagle 8, medusa the tree it was trained with")
-    p.add_argument("--draft-topk", type=int, default=None, help="eagle: children per expanded node (default 2)")
+                   help="eagle3, eagle, medusa: draft-tree nodes verified per step (the tree's depth is "
+                        "--num-speculative-tokens); default: eagle3 and eagle 8, medusa the tree it was trained with")
+    p.add_argument("--draft-topk", type=int, default=None,
+                   help="eagle3, eagle: children per expanded node (default 2)")
 
 
 def add_lookahead_args(p: argparse.ArgumentParser) -> None:

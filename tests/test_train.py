@@ -151,6 +151,32 @@ def test_medusa_heads_beat_untrained_and_chance(bigram, tmp_path):
     assert all(c[:-1] in config["tree_choices"] for c in config["tree_choices"] if len(c) > 1)
 
 
+def test_eagle3_learns_from_token_shards_and_speculates_losslessly(bigram, tmp_path):
+    """EAGLE-3 end to end: the data cache keeps token ids only, the target's captured states are
+    recomputed beside it, training-time test learns the bigram target's choices at every
+    unrolled depth, and the folder (SpecForge's layout) drafts losslessly."""
+    prompts = write_prompts(tmp_path / "p.jsonl", seed=2)
+    out = tmp_path / "e3"
+    _, report = train_draft(TrainDraftConfig(**TINY, method="eagle3", target=bigram["target"], prompts=str(prompts),
+                                             out=str(out), epochs=3, depth=3), log=lambda m: None)
+    shard = load_file(str(out / "cache" / "shard-00000.safetensors"))
+    assert set(shard) == {"tokens", "offsets", "prompt_lens"}
+    assert (out / "cache" / "features-00000.safetensors").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "d2t" in load_file(str(out / "model.safetensors"))
+    untrained = config["specserve"]["extra"]["training"]["history"][0]["held_out"]
+    assert report.loss < untrained["loss"]
+    assert report.top1_by_depth[0] > max(0.5, untrained["top1_by_depth"][0] + 0.3) > 10 * report.chance_top1
+    params = SamplingParams(temperature=0, max_tokens=24)
+    ids = [[5, 9, 13, 5, 9, 13, 5], [7, 7, 21, 30], list(range(2, 40))]
+    plain = LLM(loaded=bigram["loaded"], max_num_seqs=1).generate(ids, params, use_tqdm=False)
+    llm = LLM(loaded=bigram["loaded"], max_num_seqs=3,
+              speculative_config={"method": "eagle3", "model": str(out), "num_speculative_tokens": 3})
+    outs = llm.generate(ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert LLM.aggregate_spec_stats(outs).mean_accepted_length > 1.5
+
+
 def test_train_draft_command_refuses_bad_runs(bigram, tmp_path):
     prompts = write_prompts(tmp_path / "p.jsonl", n=4)
     used = tmp_path / "used"

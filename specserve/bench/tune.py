@@ -58,7 +58,7 @@ def candidates(methods: list[tuple[str, str | None]]) -> list[tuple[Config, dict
         elif name == "draft_model":
             for k in ("auto", 2, 4):
                 specs.append((Config(name, k, path), {"method": name, "model": path, "num_speculative_tokens": k}))
-        elif name == "eagle":
+        elif name in ("eagle", "eagle3"):
             for k, nodes in (("auto", None), (3, 6), (4, 8), (5, 16)):
                 spec = {"method": name, "model": path, "num_speculative_tokens": k}
                 if nodes:
