@@ -7,6 +7,7 @@ greedy continuation is a function of the last token. A random target with attent
 chaotic function of its whole context that no head learns from a thousand tokens, so the test
 could not tell training from noise; here it learns within two epochs."""
 
+import dataclasses
 import json
 import random
 import shutil
@@ -135,6 +136,29 @@ def test_runs_with_the_same_data_settings_share_a_cache(eagle_runs, tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in cache.glob("shard-*")} == shards
     with pytest.raises(InvalidParameterError, match="max_new_tokens"):
         train_draft(TrainDraftConfig(**dict(cfg, max_new_tokens=16), out=str(tmp_path / "n")), log=lambda m: None)
+
+
+def test_a_cache_grows_and_keeps_shards_whose_self_written_turns_were_dropped(bigram, tmp_path, monkeypatch):
+    """A self-written turn that rambles is dropped, so a shard can hold fewer sequences than its
+    chunk asked for: it is still complete. Asking for more prompts later answers only the new
+    chunks (the prompt count is not part of the data's identity)."""
+    from specserve.train import data as data_mod
+    from specserve.train.data import DataPlan, build_data
+
+    def fewer_turns(llm, seeds, max_tokens):  # one turn of every chunk dropped, as rambling ones are
+        return [f"t{2 + s % 60} t{3 + s % 50}" for s in seeds[1:]]
+
+    monkeypatch.setattr(data_mod, "write_user_turns", fewer_turns)
+    answered = []
+    real = data_mod._record_chunk
+    monkeypatch.setattr(data_mod, "_record_chunk", lambda *a: answered.append(a[5].name) or real(*a))
+    plan = DataPlan(None, 8, 4, 0, 8, 4, record=False)
+    cache = tmp_path / "cache"
+    build_data(bigram["loaded"], plan, None, cache)
+    assert answered == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert len(load_file(str(cache / "shard-00000.safetensors"))["prompt_lens"]) == 3
+    build_data(bigram["loaded"], dataclasses.replace(plan, num_prompts=12), None, cache)
+    assert answered[2:] == ["shard-00002.safetensors"]
 
 
 def test_medusa_heads_beat_untrained_and_chance(bigram, tmp_path):

@@ -57,17 +57,15 @@ class _Row:
         return self.start + len(self.next_tokens) - 1
 
 
-class EagleProposer(Proposer):
-    name = "eagle"
-    needs_hidden_states = True
+class FeatureTreeProposer(Proposer):
+    """What EAGLE and EAGLE-3 share: a drafter KV per request fed with the target's states
+    (EagleKV: `self.kv`), and a tree per request whose growth every drafting request's rows run
+    together (`self.max_nodes` nodes, `self.topk` expanded per depth)."""
 
-    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
-        self.drafter = drafter
-        self.max_nodes = max_nodes
-        self.topk = min(topk, drafter.config.draft_vocab_size)
-        model = target.model
-        self.kv = EagleKV(drafter.config.layer_config(), num_kv_blocks(target, engine), engine.block_size,
-                          drafter.dtype, model.device)
+    needs_hidden_states = True
+    kv: EagleKV
+    max_nodes: int
+    topk: int
 
     def num_draft_nodes(self, num_speculative_tokens: int) -> int:
         return max(num_speculative_tokens, self.max_nodes)
@@ -78,20 +76,38 @@ class EagleProposer(Proposer):
     def remove_request(self, request_id: str) -> None:
         self.kv.remove(request_id)
 
-    @torch.inference_mode()
-    def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
-        trees = [DraftTree.empty() for _ in batch]
+    def _begin(self, batch: list[SpecRequest]) -> tuple[int, list[tuple[int, SpecRequest, int, torch.Tensor]]]:
+        """-> (the batch's deepest tree, [(index in batch, request, first catch-up position,
+        its target states [C, F])] for the requests that draft this step)."""
         depth = max((r.num_speculative_tokens for r in batch), default=0)
-        rows = []
+        begun = []
         for i, r in enumerate(batch):
             if r.num_speculative_tokens < 1 or r.max_nodes < 1:
                 continue
             # Every request reserves the deepest growth of the batch, which runs for all rows.
-            begun = self.kv.begin(r.request_id, len(r.token_ids), (depth - 1) * self.topk)
-            if begun is not None:
-                start, features = begun
-                rows.append(_Row(i, r.request_id, start, features, list(r.token_ids[start + 1:]),
-                                 r.num_speculative_tokens, r.max_nodes))
+            got = self.kv.begin(r.request_id, len(r.token_ids), (depth - 1) * self.topk)
+            if got is not None:
+                begun.append((i, r, *got))
+        return depth, begun
+
+
+class EagleProposer(FeatureTreeProposer):
+    name = "eagle"
+
+    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
+        self.drafter = drafter
+        self.max_nodes = max_nodes
+        self.topk = min(topk, drafter.config.draft_vocab_size)
+        model = target.model
+        self.kv = EagleKV(drafter.config.layer_config(), num_kv_blocks(target, engine), engine.block_size,
+                          drafter.dtype, model.device)
+
+    @torch.inference_mode()
+    def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
+        trees = [DraftTree.empty() for _ in batch]
+        depth, begun = self._begin(batch)
+        rows = [_Row(i, r.request_id, start, features, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
+                     r.max_nodes) for i, r, start, features in begun]
         if not rows:
             return DraftTreeProposal(trees)
         roots = self._catch_up(rows)  # [B, H]

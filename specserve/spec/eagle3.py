@@ -29,10 +29,9 @@ from specserve.drafts import DraftTreeProposal, SpecRequest
 from specserve.drafts.tree import DraftTree
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
-from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, select_trees
+from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, select_trees
 from specserve.spec.heads.eagle3_loader import DraftPass, Eagle3Drafter, load_eagle3_drafter
 from specserve.spec.heads.eagle_kv import EagleKV
-from specserve.spec.proposer import Proposer
 from specserve.spec.registry import MethodSpec
 
 
@@ -70,9 +69,8 @@ class DraftingTimes:
                 "catch_up_passes": self.catch_up_passes, "depth_passes": self.depth_passes}
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(FeatureTreeProposer):
     name = "eagle3"
-    needs_hidden_states = True
 
     def __init__(self, drafter: Eagle3Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
         self.drafter = drafter
@@ -87,29 +85,12 @@ class Eagle3Proposer(Proposer):
         self.block_size = bs
         self.times = DraftingTimes()
 
-    def num_draft_nodes(self, num_speculative_tokens: int) -> int:
-        return max(num_speculative_tokens, self.max_nodes)
-
-    def observe_hidden(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
-        self.kv.observe(request_id, start_position, hidden)
-
-    def remove_request(self, request_id: str) -> None:
-        self.kv.remove(request_id)
-
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
         trees = [DraftTree.empty() for _ in batch]
-        depth = max((r.num_speculative_tokens for r in batch), default=0)
-        rows = []
-        for i, r in enumerate(batch):
-            if r.num_speculative_tokens < 1 or r.max_nodes < 1:
-                continue
-            # Every request reserves the deepest growth of the batch, which runs for all rows.
-            begun = self.kv.begin(r.request_id, len(r.token_ids), (depth - 1) * self.topk)
-            if begun is not None:
-                start, states = begun
-                rows.append(_Row(i, r.request_id, start, states, list(r.token_ids[start + 1:]),
-                                 r.num_speculative_tokens, r.max_nodes, self.kv.first(r.request_id)))
+        depth, begun = self._begin(batch)
+        rows = [_Row(i, r.request_id, start, states, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
+                     r.max_nodes, self.kv.first(r.request_id)) for i, r, start, states in begun]
         if not rows:
             return DraftTreeProposal(trees)
         tables = self.kv.tables([r.request_id for r in rows], max(r.last for r in rows) + 1 + max(depth - 1, 0) * self.topk)

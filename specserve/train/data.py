@@ -102,13 +102,13 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
                 convs = [[{"role": "user", "content": t}] for t in write_user_turns(llm, seeds, plan.prompt_max_tokens)]
             else:
                 convs = conversations[first:first + size]
-            _record_chunk(llm, target, convs, plan, max_model_len, paths[c])
+            _record_chunk(llm, target, convs, plan, max_model_len, paths[c], size)
             bar.set_postfix_str(f"{paths[c].name}")
     return paths
 
 
 def _complete(path: Path, size: int) -> bool:
-    """A shard exists and answered `size` prompts (one made as a short last chunk did fewer)."""
+    """A shard exists and was made for `size` prompts (one made as a short last chunk had fewer)."""
     if not path.is_file():
         return False
     try:
@@ -135,7 +135,9 @@ def _claim(cache: Path, plan: DataPlan, target: LoadedModel) -> None:
 
 
 def _record_chunk(llm: LLM, target: LoadedModel, convs: list[list[dict]], plan: DataPlan, max_model_len: int,
-                  path: Path) -> None:
+                  path: Path, size: int) -> None:
+    """Answer `convs` (what is left of the chunk's `size` prompts: self-written turns that
+    ramble are dropped) and write the shard, which records `size` as its prompt count."""
     tok = target.tokenizer
     prompts = [tok.encode_chat(c) for c in convs]
     kept = [(c, p) for c, p in zip(convs, prompts) if len(p) + plan.max_new_tokens <= max_model_len]
@@ -161,7 +163,7 @@ def _record_chunk(llm: LLM, target: LoadedModel, convs: list[list[dict]], plan: 
         tensors["labels"] = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int32)
     # Written under a temporary name and renamed: a shard that exists is complete.
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"prompts": str(len(convs))})
+    save_file(tensors, str(tmp), metadata={"prompts": str(size)})
     path.with_suffix(".json").write_text(json.dumps(
         {"conversations": [c for c, _ in kept], "answers": [tok.decode(a.outputs[0].token_ids) for a in answers]},
         ensure_ascii=False) + "\n")
