@@ -174,31 +174,17 @@ def smollm_native():
 
 
 @pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
-def test_greedy_eagle3_on_the_native_kernels_equals_plain(smollm_native, tmp_path):
-    """The embedded model on its native kernels with a random drafter drafting natively: the
-    three captured states come from the target's own pass, and every output is plain's."""
-    folder = save_random_drafter(tmp_path / "d", smollm_native, aux=(2, 15, 27), vocab=list(range(0, 4096)),
-                                 scale=1.0)
-    prompts = [smollm_native.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in (
-        "Count from one to ten in words.", "Write a haiku about rain.", "What is 12 times 7?")]
-    params = SamplingParams(temperature=0, max_tokens=20)
-    plain, _ = outputs(LLM(loaded=smollm_native, max_num_seqs=3), prompts, params)
-    llm = LLM(loaded=smollm_native, max_num_seqs=3, speculative_config={
-        "method": "eagle3", "model": folder, "num_speculative_tokens": 4})
-    assert llm.engine.proposer.drafter.native is not None
-    got, stats = outputs(llm, prompts, params)
-    assert got == plain and stats.num_drafted > 0
-
-
-@pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 def test_the_shipped_drafter_drafts_losslessly_and_is_accepted(smollm_native):
     """`"model": "default"`: the EAGLE-3 drafter shipped for the embedded model, in SpecForge's
-    layout with specserve's target record, is found, checked against the target, and drafts
-    tokens the target accepts, with output identical to plain decoding."""
+    layout with specserve's target record, is found, checked against the target, drafts on the
+    native kernels from the three states the target's own pass captured, and drafts tokens the
+    target accepts, with output identical to plain decoding."""
     prompts = [smollm_native.tokenizer.encode_chat([{"role": "user", "content": c}]) for c in (
         "Explain how a bicycle works.", "List three uses of water.")]
     params = SamplingParams(temperature=0, max_tokens=32)
     plain, _ = outputs(LLM(loaded=smollm_native, max_num_seqs=2), prompts, params)
-    got, stats = outputs(LLM(loaded=smollm_native, max_num_seqs=2, speculative_config={
-        "method": "eagle3", "model": "default", "num_speculative_tokens": 3}), prompts, params)
+    llm = LLM(loaded=smollm_native, max_num_seqs=2, speculative_config={
+        "method": "eagle3", "model": "default", "num_speculative_tokens": 3})
+    assert llm.engine.proposer.drafter.native is not None
+    got, stats = outputs(llm, prompts, params)
     assert got == plain and stats.num_accepted > 0
