@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.errors import ModelLoadError
-from specserve.model.limits import HF_KEYS, FieldReader, check_rope_scaling, read_dimensions, read_rope_theta
+from specserve.model.limits import (HF_KEYS, FieldReader, check_rope_scaling, read_dimensions, read_flag,
+                                    read_rope_theta)
 
 # Architectures whose weights map onto the project's Llama-family model unchanged
 # (Qwen2 differs only by the qkv bias, which the config turns on).
@@ -113,18 +114,10 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=check_rope_scaling(r, key, rope_scaling, dims["max_position_embeddings"]),
             # Qwen2 always has a qkv bias and no config flag for it.
-            attention_bias=_flag(r, "attention_bias", arch == "qwen2"),
-            tie_word_embeddings=_flag(r, "tie_word_embeddings", False),
+            attention_bias=read_flag(r, "attention_bias", arch == "qwen2"),
+            tie_word_embeddings=read_flag(r, "tie_word_embeddings", False),
         )
 
-
-def _flag(r: FieldReader, key: str, default: bool) -> bool:
-    value = r.lookup(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        r.fail(key, value, "must be true or false")
-    return value
 
 
 def check_layer_subset(keep: Sequence[int], num_layers: int) -> tuple[int, ...]:

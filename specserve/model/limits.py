@@ -154,6 +154,16 @@ def check_rope_scaling(r: FieldReader, key: str, scaling: object, context: int) 
     return dict(scaling)
 
 
+def read_flag(r: FieldReader, key: str, default: bool) -> bool:
+    """A true/false field (`default` when absent); anything else is refused naming the key."""
+    value = r.lookup(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        r.fail(key, value, "must be true or false")
+    return value
+
+
 def _short(value: object) -> str:
     """A value as messages show it: its repr, cut short (a crafted string may be megabytes)."""
     text = repr(value)

@@ -157,13 +157,9 @@ class EagleProposer(FeatureTreeProposer):
     # ---- 2. and 3. growth and selection -------------------------------------------------------
 
     def _grow(self, rows: list[_Row], roots: torch.Tensor, depth: int) -> list[DraftTree]:
-        d, k, device = self.drafter, self.topk, self.kv.device
+        d, k = self.drafter, self.topk
         bsz = len(rows)
-        lp, tok = torch.log_softmax(d.vocab(roots), -1).topk(k, dim=-1)  # [B, K] depth-1 candidates
-        # Every candidate of every depth, numbered in creation order (parents before children).
-        cand_tok, cand_score, cand_parent, cand_depth = [tok], [lp], [torch.full_like(tok, -1)], [1]
-        frontier_id = torch.arange(k, device=device).expand(bsz, k)  # [B, K] candidate ids
-        frontier_tok, frontier_score = tok, lp
+        cands = TreeCandidates(d.vocab(roots), k)
         frontier_feat = roots[:, None].expand(bsz, k, roots.shape[-1])  # [B, K, H] the parent's output
         span = (depth - 1) * k  # tree slots after each row's context
         frontier_anc = torch.zeros(bsz, k, max(span, 1), dtype=torch.bool)  # expanded ancestors' tree slots
@@ -184,27 +180,51 @@ class EagleProposer(FeatureTreeProposer):
             positions = (last + level - 1)[:, None].expand(bsz, k)
             slots = last[:, None] + 1 + own[None, :]
             meta = self.kv.metadata(tables, positions, slots, visible)
-            g = d.heads(d.embed(d.vocab.ids[frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
+            g = d.heads(d.embed(d.vocab.ids[cands.frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
                         self.kv.cache)
-            clp, ctok = torch.log_softmax(d.vocab(g), -1).topk(k, dim=-1)  # [B, K, K]
-            score = (frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
-            base = k + (level - 2) * k * k
-            cand_tok.append(ctok.flatten(1))
-            cand_score.append(score)
-            cand_parent.append(frontier_id[:, :, None].expand(bsz, k, k).flatten(1))
-            cand_depth.append(level)
+            parent = cands.expand(level, d.vocab(g), last=level == depth)
             offset += k
-            if level < depth:
-                sel = score.topk(k, dim=-1).indices  # [B, K] the next depth's expanded nodes
-                parent = sel // k
-                frontier_id = base + sel
-                frontier_tok = ctok.flatten(1).gather(1, sel)
-                frontier_score = score.gather(1, sel)
+            if parent is not None:
                 frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
                 frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
-        return select_trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids, cand_tok, cand_score, cand_parent,
-                            cand_depth)
+        return cands.trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids)
 
+
+
+class TreeCandidates:
+    """Every candidate of a batch of growing trees, numbered in creation order (parents before
+    children), and the frontier: the `k` candidates per row that the next depth expands."""
+
+    def __init__(self, root_logits: torch.Tensor, k: int):
+        """root_logits [B, Vd]: the root's children are its top k."""
+        lp, tok = torch.log_softmax(root_logits, -1).topk(k, dim=-1)  # [B, K] depth-1 candidates
+        self.k = k
+        self.tok, self.score, self.parent, self.depth = [tok], [lp], [torch.full_like(tok, -1)], [1]
+        self.frontier_id = torch.arange(k, device=tok.device).expand(tok.shape[0], k)  # [B, K] candidate ids
+        self.frontier_tok, self.frontier_score = tok, lp  # [B, K] draft-vocabulary indices, scores
+
+    def expand(self, level: int, logits: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """The frontier's logits [B, K, Vd] add each node's top k children (depth `level`).
+        -> for the next frontier, the index [B, K] of each node's parent in this frontier
+        (None when `last`)."""
+        k, bsz = self.k, logits.shape[0]
+        clp, ctok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, K, K]
+        score = (self.frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
+        base = k + (level - 2) * k * k  # id of this level's first candidate
+        self.tok.append(ctok.flatten(1))
+        self.score.append(score)
+        self.parent.append(self.frontier_id[:, :, None].expand(bsz, k, k).flatten(1))
+        self.depth.append(level)
+        if last:
+            return None
+        sel = score.topk(k, dim=-1).indices  # [B, K] the next depth's expanded nodes
+        self.frontier_id = base + sel
+        self.frontier_tok = ctok.flatten(1).gather(1, sel)
+        self.frontier_score = score.gather(1, sel)
+        return sel // k
+
+    def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor) -> list[DraftTree]:
+        return select_trees(limits, draft_ids, self.tok, self.score, self.parent, self.depth)
 
 
 def select_trees(limits: list[tuple[int, int]], draft_ids: torch.Tensor, cand_tok: list[torch.Tensor],

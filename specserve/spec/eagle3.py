@@ -29,7 +29,7 @@ from specserve.drafts import DraftTreeProposal, SpecRequest
 from specserve.drafts.tree import DraftTree
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
-from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, select_trees
+from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, TreeCandidates
 from specserve.spec.heads.eagle3_loader import DraftPass, Eagle3Drafter, load_eagle3_drafter
 from specserve.spec.heads.eagle_kv import EagleKV
 from specserve.spec.registry import MethodSpec
@@ -132,10 +132,7 @@ class Eagle3Proposer(FeatureTreeProposer):
               depth: int) -> list[DraftTree]:
         d, k = self.drafter, self.topk
         bsz = len(rows)
-        lp, tok = torch.log_softmax(root_logits, -1).topk(k, dim=-1)  # [B, K] depth-1 candidates
-        cand_tok, cand_score, cand_parent, cand_depth = [tok], [lp], [torch.full_like(tok, -1)], [1]
-        frontier_id = torch.arange(k).expand(bsz, k)  # [B, K] candidate ids
-        frontier_tok, frontier_score = tok, lp
+        cands = TreeCandidates(root_logits, k)
         frontier_out = roots[:, None].expand(bsz, k, roots.shape[-1])  # [B, K, H] each parent's output
         span = max(depth - 1, 0) * k  # tree slots after each row's context
         frontier_anc = torch.zeros(bsz, k, max(span, 1), dtype=torch.uint8)  # expanded ancestors' tree slots
@@ -156,30 +153,18 @@ class Eagle3Proposer(FeatureTreeProposer):
                           (last + 1).repeat_interleave(k), kv_start,
                           tree_row=torch.arange(bsz * k) * size, tree_start=last + 1,
                           tree_size=torch.full((bsz,), size), tree_mask=anc[:, :, :size].contiguous().view(-1))
-            ids = d.draft_ids[frontier_tok.reshape(-1)]
+            ids = d.draft_ids[cands.frontier_tok.reshape(-1)]
             out, logits = d.step(d.embed(ids), frontier_out.reshape(bsz * k, -1), p, self.k_rows, self.v_rows)
-            out, logits = out.view(bsz, k, -1), logits.view(bsz, k, -1)
-            clp, ctok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, K, K]
-            score = (frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
-            base = k + (level - 2) * k * k
-            cand_tok.append(ctok.flatten(1))
-            cand_score.append(score)
-            cand_parent.append(frontier_id[:, :, None].expand(bsz, k, k).flatten(1))
-            cand_depth.append(level)
+            out = out.view(bsz, k, -1)
+            parent = cands.expand(level, logits.view(bsz, k, -1), last=level == depth)
             offset += k
-            if level < depth:
-                sel = score.topk(k, dim=-1).indices  # [B, K] the next depth's expanded nodes
-                parent = sel // k
-                frontier_id = base + sel
-                frontier_tok = ctok.flatten(1).gather(1, sel)
-                frontier_score = score.gather(1, sel)
+            if parent is not None:
                 frontier_out = out.gather(1, parent[:, :, None].expand(bsz, k, out.shape[-1]))
                 frontier_anc = anc.gather(1, parent[:, :, None].expand(bsz, k, anc.shape[-1]))
             self.times.depth_s += time.perf_counter() - t0
             self.times.depth_passes += 1
         t0 = time.perf_counter()
-        trees = select_trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids, cand_tok, cand_score,
-                             cand_parent, cand_depth)
+        trees = cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids)
         self.times.select_s += time.perf_counter() - t0
         return trees
 

@@ -74,7 +74,7 @@ from specserve.errors import ModelLoadError
 from specserve.model.config import SUPPORTED_ROPE_TYPES, ModelConfig
 from specserve.model.hf_loader import read_json, safetensors_files
 from specserve.model.limits import (HF_KEYS, MAX_HIDDEN, MAX_LAYERS, MAX_VOCAB, DimensionKeys, FieldReader,
-                                    check_rope_scaling, read_dimensions, read_rope_theta)
+                                    check_rope_scaling, read_dimensions, read_flag, read_rope_theta)
 from specserve.model.weights import ignored_tensor
 from specserve.spec.heads.eagle3_config import DRAFT_IDS, OWN_EMBEDDING, Eagle3Config, default_aux_layers
 
@@ -239,7 +239,7 @@ def _read_config(doc: dict, layout: str, where: str, target: ModelConfig) -> tup
         r = FieldReader(where, doc.get)
     for key, what in _UNSUPPORTED_FLAGS.items():
         full = prefix + key if key in _LAYER_FLAGS else key
-        if _flag(r, full, False):
+        if read_flag(r, full, False):
             r.fail(full, True, f"must be false: the drafter has no place for {what}")
     act = r.lookup(prefix + "hidden_act")
     if act not in (None, "silu"):
@@ -266,7 +266,7 @@ def _read_config(doc: dict, layout: str, where: str, target: ModelConfig) -> tup
             rope_scaling=scaling, max_position_embeddings=dims["max_position_embeddings"], vocab_size=vocab,
             # Absent, the head covers the whole vocabulary (vLLM's reading).
             draft_vocab_size=r.integer("draft_vocab_size", 1, MAX_VOCAB, default=vocab),
-            aux_layers=aux, norm_before_residual=_flag(r, "norm_before_residual", False))
+            aux_layers=aux, norm_before_residual=read_flag(r, "norm_before_residual", False))
     except ModelLoadError as e:
         raise ModelLoadError(f"{where}: {e}") from None
     return cfg, extra
@@ -327,14 +327,6 @@ def _layer_ids(r: FieldReader, key: str, lo: int) -> tuple[int, ...] | None:
         r.fail(key, value, f"must be a list of three layer indices in [{lo}, {MAX_LAYERS}]")
     return tuple(value)
 
-
-def _flag(r: FieldReader, key: str, default: bool) -> bool:
-    value = r.lookup(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        r.fail(key, value, "must be true or false")
-    return value
 
 
 @dataclass(frozen=True)
