@@ -42,6 +42,8 @@ run: setup
 # CPU (half precision, drafters, training, the native kernels and model) once more as on the
 # lowest: specserve's generic level for its own choices and kernels, torch capped at AVX2 (an
 # AVX2-only CPU, where oneDNN has no bfloat16 packing). Green here means green on either CPU.
+# The embedded model's end-to-end runs (marked slow) stay in the first pass: their drafters'
+# arithmetic is what the tiny models' tests cover here, at a tenth of the time.
 # (The native model's tests run every level in-process already: the levels compute equal bits.)
 ISA_TESTS := tests/test_hardware.py tests/test_dtypes.py tests/test_eagle.py tests/test_train.py \
 	tests/test_native_gemm.py tests/test_native_layer_ops.py
@@ -49,7 +51,7 @@ LOWEST := SPECSERVE_CPU_ISA=generic ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=
 
 test: setup-test
 	$(PY) -m pytest -q -n 2 --durations=15
-	$(LOWEST) $(PY) -m pytest -q -n 2 --durations=5 $(wildcard $(ISA_TESTS))
+	$(LOWEST) $(PY) -m pytest -q -n 2 --durations=5 -m "not slow" $(wildcard $(ISA_TESTS))
 
 clean:
 	rm -rf $(VENV)

@@ -156,8 +156,12 @@ def test_draft_model_on_native_targets_equals_plain(tmp_path):
     assert generate_ids(spec, prompts, params) == plain
 
 
-def test_without_the_kernels_specserve_says_so_once_and_runs_on_torch():
-    code = ("from specserve.model.loader import load_model; m = load_model('default'); print(m.kernels)")
+def test_without_the_kernels_specserve_says_so_once_and_runs_on_torch(tmp_path):
+    """A load that would take the native kernels (weights quantized at load), with them switched
+    off and with a cache folder they cannot be built in (a tiny model: the subprocesses are the
+    point, not the model)."""
+    folder = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
+    code = f"from specserve.model.loader import load_model; m = load_model({str(folder)!r}, quantization='int8'); print(m.kernels)"
     env = {**os.environ, "SPECSERVE_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert "oneDNN" in out.stdout or "torch" in out.stdout
