@@ -3,8 +3,13 @@ early aborts, refusals surface where the request was made, capacity is enforced;
 log probabilities the server reports are the same with speculation as without."""
 
 import asyncio
+import os
+import subprocess
+import sys
+import threading
 
 import pytest
+import torch
 
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specserve.errors import PromptError
@@ -118,3 +123,48 @@ def test_logprobs_are_the_same_with_and_without_speculation(tiny, spec):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-5)
         assert [t for t, _ in a.top] == [t for t, _ in b.top] and len(a.top) == 3
         assert a.top[0][0] == a.token_id  # greedy picks the most likely token
+
+
+# In a fresh process (the OpenMP pools of this one depend on which tests ran before): build on
+# a thread of its own, or on the main thread as the control, and count the process's threads.
+_POOL_PROBE = """
+import os, sys, time
+from pathlib import Path
+from specserve.engine.async_engine import build_off_thread
+from specserve.llm import LLM
+from specserve.model.loader import load_model
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+build = lambda: LLM(loaded=load_model(sys.argv[1], quantization="int8"), max_num_seqs=2)
+llm = build_off_thread(build) if sys.argv[2] == "off" else build()
+deadline = time.monotonic() + 10
+while threads() > before and sys.argv[2] == "off" and time.monotonic() < deadline:
+    time.sleep(0.05)  # the builder's pool workers leave as it ends
+print(threads() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one compute thread: no OpenMP pool to leave behind")
+def test_building_off_thread_leaves_no_openmp_pool_behind(tiny, tmp_path):
+    """The server builds the engine with build_off_thread so that its engine thread is the only
+    OpenMP master (two masters make libgomp throttle its spin-wait: 3x slower passes). Built on
+    the main thread, a worker stays behind (the control shows the count can fail)."""
+    from specserve import native
+
+    if native.load() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    extra = {}
+    for where in ("off", "main"):
+        out = subprocess.run([sys.executable, "-c", _POOL_PROBE, tiny["target"], where], capture_output=True,
+                             text=True, check=True)
+        extra[where] = int(out.stdout.split()[-1])
+    assert extra == {"off": 0, "main": torch.get_num_threads() - 1}
+
+
+def test_build_off_thread_hands_back_the_result_or_the_error():
+    from specserve.engine.async_engine import build_off_thread
+
+    assert build_off_thread(lambda: threading.current_thread().name) == "specserve-build"
+    with pytest.raises(PromptError, match="bad"):
+        build_off_thread(lambda: (_ for _ in ()).throw(PromptError("bad")))

@@ -15,8 +15,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from specserve.engine.engine import LLMEngine
 from specserve.errors import SpecserveError
@@ -27,6 +28,36 @@ logger = logging.getLogger("specserve.engine")
 
 # How long the idle engine thread sleeps between checks of its stop flag; commands wake it at once.
 _IDLE_WAIT_S = 0.5
+
+T = TypeVar("T")
+
+
+def build_off_thread(build: Callable[[], T]) -> T:
+    """`build()` (load the model, construct the engine) on a short-lived thread of its own ->
+    its result; its exception is raised here.
+
+    Why: the engine thread must be the process's only OpenMP master. The kernels' parallel
+    regions (about 150 per pass) run on libgomp, which keeps a worker pool per thread that ever
+    started a region. Loading on the main thread leaves the main thread's pool alive, and once a
+    process holds more OpenMP threads than CPUs libgomp cuts its spin-wait to a few hundred
+    cycles, so every region of the engine thread's passes sleeps and wakes through the kernel:
+    one stream ran at a third of the offline engine's speed. A pool dies with its thread, so the
+    builder thread's workers are gone before the engine thread starts.
+    """
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = build()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller as it is
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="specserve-build", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
 
 
 class QueueFullError(SpecserveError):

@@ -62,6 +62,7 @@ def add_serve_parser(sub) -> None:
 def run_serve(args) -> int:
     from specserve.config import SpeculativeConfig
     from specserve.config_file import load_config_file
+    from specserve.engine.async_engine import build_off_thread
     from specserve.llm import LLM
     from specserve.model.loader import load_model
     from specserve.server.connections import connection_protocol
@@ -93,8 +94,13 @@ def run_serve(args) -> int:
     sock = _bind(args.host, args.port)
 
     t = time.perf_counter()
-    loaded = load_model(**engine_args.load_kwargs(args, file))
-    llm = LLM(loaded=loaded, speculative_config=spec, **engine_args.engine_kwargs(args, file))
+
+    def build():
+        loaded = load_model(**engine_args.load_kwargs(args, file))
+        return LLM(loaded=loaded, speculative_config=spec, **engine_args.engine_kwargs(args, file))
+
+    llm = build_off_thread(build)  # off the main thread: the engine thread must be the only OpenMP master
+    loaded = llm.target
     config = server_config(args, loaded.name, llm.engine_config.max_model_len, bound=sock.getsockname()[0])
     app, engine = build_app_for(llm, config, args.max_waiting)
     host, port = sock.getsockname()[:2]
