@@ -1,5 +1,5 @@
 """While the planner keeps a request's drafts off (depth 0), its proposer does nothing for it:
-no draft-model, self-draft or drafter pass, no proposal. When drafts come back on, the
+no draft-model, self-draft or drafter pass (EAGLE's or EAGLE-3's), no proposal. When drafts come back on, the
 proposer catches up on everything committed meanwhile in its first draft pass, and greedy
 output stays plain's."""
 
@@ -27,6 +27,10 @@ def spec_for(method: str, tiny, tmp_path) -> dict:
         torch.manual_seed(0)
         save_drafter(tmp_path / "d", new_drafter(tiny["loaded"], "eagle", torch.arange(tiny["loaded"].config.vocab_size)))
         return {"method": method, "model": str(tmp_path / "d")}
+    if method == "eagle3":
+        from tests.test_eagle3 import save_random_drafter
+
+        return {"method": method, "model": save_random_drafter(tmp_path / "d3", tiny["loaded"])}
     return {"method": method}
 
 
@@ -37,10 +41,12 @@ def expensive_call(llm: LLM):
         return p.runner, "execute_last"
     if p.name == "eagle":
         return p.drafter, "heads"
+    if p.name == "eagle3":
+        return p, "_catch_up"  # the drafter's first pass of every drafting step
     return p, "propose"
 
 
-@pytest.mark.parametrize("method", ["draft_model", "self_spec", "eagle", "lookahead"])
+@pytest.mark.parametrize("method", ["draft_model", "self_spec", "eagle", "eagle3", "lookahead"])
 def test_drafts_off_cost_no_proposer_work_and_catch_up_when_on(tiny, tmp_path, monkeypatch, method):
     prompt = tiny_prompts(1)[0]
     llm = LLM(loaded=tiny["loaded"], max_num_seqs=1, speculative_config=spec_for(method, tiny, tmp_path))
