@@ -109,6 +109,14 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
     assert 0 < figures["tpot_p50_ms"] <= figures["tpot_p99_ms"]
     assert "req/s" in capsys.readouterr().out
+    # Whole responses: the same requests and tokens, no per-token timings.
+    code = main(["bench-serve", "--url", server.url, "--concurrency", "4", "--num-requests", "8", "--no-stream",
+                 "--workload", str(workload), "--max-tokens", "12", "--json", str(out_json)])
+    assert code == 0
+    whole = json.loads(out_json.read_text())
+    assert whole["num_failed"] == 0 and whole["output_tokens_per_s"] > 0 and whole["latency_p50_s"] > 0
+    assert whole["ttft_p50_ms"] is None and whole["tpot_p50_ms"] is None
+    assert "whole (not streamed)" in capsys.readouterr().err
 
 
 def test_bench_serve_names_a_dead_url(capsys):

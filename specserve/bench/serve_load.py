@@ -32,6 +32,8 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--categories", default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-stream", action="store_true",
+                   help="ask for whole responses (stream false): latency and tokens/s only, no TTFT or TPOT")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -71,6 +73,8 @@ class LoadFigures:
 
 
 async def one_request(client, url: str, body: dict) -> RequestTiming:
+    if not body["stream"]:
+        return await _whole_request(client, url, body)
     start = time.perf_counter()
     first = last = None
     tokens = 0
@@ -96,8 +100,21 @@ async def one_request(client, url: str, body: dict) -> RequestTiming:
     return RequestTiming(True, None if first is None else first - start, tpot, end - start, tokens)
 
 
+async def _whole_request(client, url: str, body: dict) -> RequestTiming:
+    """A non-streamed request: its latency and the tokens its usage reports."""
+    start = time.perf_counter()
+    try:
+        r = await client.post(f"{url}/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            return RequestTiming(False, error=f"HTTP {r.status_code}: {r.text[:200]!r}")
+        tokens = r.json()["usage"]["completion_tokens"]
+    except Exception as e:  # a load client reports failures, it does not stop on them
+        return RequestTiming(False, error=repr(e))
+    return RequestTiming(True, None, None, time.perf_counter() - start, tokens)
+
+
 async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                   temperature: float, api_key: str | None) -> tuple[list[RequestTiming], float]:
+                   temperature: float, api_key: str | None, stream: bool = True) -> tuple[list[RequestTiming], float]:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -110,7 +127,9 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, m
         while not queue.empty():
             prompt = queue.get_nowait()
             body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+                    "temperature": temperature, "stream": stream}
+            if stream:
+                body["stream_options"] = {"include_usage": True}
             timings.append(await one_request(client, url, body))
 
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -144,10 +163,11 @@ def run_bench_serve(args) -> int:
     model = args.model or models[0]["id"]
     pool = [p.text for p in select(load_workload(args.workload, args.field), Selection.from_text(args.categories, None, None))]
     prompts = [pool[i % len(pool)] for i in range(args.num_requests)]
-    print(f"bench-serve: {args.url} model {model}, {args.num_requests} streaming chat requests, "
+    kind = "whole (not streamed)" if args.no_stream else "streaming"
+    print(f"bench-serve: {args.url} model {model}, {args.num_requests} {kind} chat requests, "
           f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, temperature {args.temperature}", file=sys.stderr)
     timings, wall = asyncio.run(run_load(args.url, model, prompts, args.concurrency, args.max_tokens,
-                                         args.temperature, args.api_key))
+                                         args.temperature, args.api_key, stream=not args.no_stream))
     figures = summarise(args.url, args.concurrency, timings, wall)
     print(figures.line())
     for t in timings:
