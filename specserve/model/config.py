@@ -10,7 +10,7 @@ import torch
 
 from specserve.errors import ModelLoadError
 from specserve.model.limits import (HF_KEYS, FieldReader, check_rope_scaling, read_dimensions, read_flag,
-                                    read_rope_theta)
+                                    read_hf_sliding_window, read_rope_theta)
 
 # Architectures whose weights map onto the project's Llama-family model unchanged
 # (Qwen2 differs only by the qkv bias, which the config turns on).
@@ -35,6 +35,10 @@ class ModelConfig:
     rope_scaling: dict | None = None
     attention_bias: bool = False
     tie_word_embeddings: bool = False
+    # Some layers attend only to the latest `sliding_window` positions (the query's own
+    # included); None: every layer sees the whole context. specserve computes full attention,
+    # so the loader refuses a context longer than the window (check_context).
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -116,7 +120,18 @@ class ModelConfig:
             # Qwen2 always has a qkv bias and no config flag for it.
             attention_bias=read_flag(r, "attention_bias", arch == "qwen2"),
             tie_word_embeddings=read_flag(r, "tie_word_embeddings", False),
+            sliding_window=read_hf_sliding_window(r, arch, dims["num_layers"]),
         )
+
+    def check_context(self, positions: int, where: str) -> None:
+        """Refuse to serve `positions` positions where a windowed layer would then see fewer
+        keys than full attention gives it: the output would silently differ from the model's."""
+        w = self.sliding_window
+        if w is not None and positions > w:
+            raise ModelLoadError(
+                f"{where}: the model's layers attend through a sliding window of {w} positions (sliding_window), "
+                f"which specserve does not compute yet; contexts longer than {w} tokens would silently differ "
+                f"from the model's output. Pass --max-model-len {w} (or less), or use a model without a window")
 
 
 

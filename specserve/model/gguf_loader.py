@@ -13,7 +13,7 @@ from gguf.quants import dequantize
 
 from specserve.errors import ModelLoadError
 from specserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from specserve.model.limits import FieldReader, gguf_keys, read_dimensions, read_rope_theta
+from specserve.model.limits import MAX_CONTEXT, FieldReader, gguf_keys, read_dimensions, read_rope_theta
 from specserve.model.llama import LlamaModel
 from specserve.model.native_llama import Blocks, Weight
 from specserve.model.weights import build_model, expected_shapes
@@ -87,6 +87,9 @@ def read_gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         rope_scaling=rope_scaling,
         attention_bias="blk.0.attn_q.bias" in by_name,
         tie_word_embeddings="output.weight" not in by_name,
+        # (llama.cpp, like transformers, gives the llama architecture full attention whatever the key says)
+        sliding_window=(None if arch == "llama" or r.lookup(f"{arch}.attention.sliding_window") is None
+                        else r.integer(f"{arch}.attention.sliding_window", 1, MAX_CONTEXT)),
     )
     check_gguf_tensors(reader, path, cfg)
     return cfg

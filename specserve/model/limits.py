@@ -130,6 +130,28 @@ def read_dimensions(r: FieldReader, keys: DimensionKeys, *, vocab_default: objec
     )
 
 
+def read_hf_sliding_window(r: FieldReader, arch: str, num_layers: int) -> int | None:
+    """The attention window of a config.json's windowed layers, None when no layer is windowed,
+    as transformers reads it: `layer_types` naming "sliding_attention" layers where given; else
+    every Mistral layer, and Qwen2's layers from `max_window_layers` on when `use_sliding_window`
+    is true. Llama ignores the key (transformers' Llama attends to the whole context)."""
+    if arch == "llama" or r.lookup("sliding_window") is None:
+        return None
+    window = r.integer("sliding_window", 1, MAX_CONTEXT)
+    types = r.lookup("layer_types")
+    if types is not None:
+        kinds = ("full_attention", "sliding_attention")
+        if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
+            r.fail("layer_types", types, f"must list {num_layers} entries, each one of {', '.join(kinds)}")
+        windowed = "sliding_attention" in types
+    elif arch == "qwen2":
+        windowed = (read_flag(r, "use_sliding_window", False)
+                    and r.integer("max_window_layers", 0, MAX_LAYERS, default=0) < num_layers)
+    else:
+        windowed = True
+    return window if windowed else None
+
+
 def read_rope_theta(r: FieldReader, key: str, default: float) -> float:
     # theta <= 1 gives frequencies that do not fall with the dimension: no trained model has it.
     return r.number(key, 1.0, default=default)
