@@ -88,14 +88,42 @@ class LLM:
 
     # ---- prompts -> outputs -----------------------------------------------------------------
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    def generate(self, prompts: str | dict | Sequence[str | dict | Sequence[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (strings, or lists of token ids)."""
-        if isinstance(prompts, str):
+        """Outputs in the order of `prompts`: each a string, a list of token ids, or vLLM's prompt
+        dicts {"prompt": text} and {"prompt_token_ids": [ids]}."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        encoded = [(None, list(p)) if not isinstance(p, str) else (p, self._encode(p)) for p in prompts]
-        return self._run(encoded, sampling_params, use_tqdm)
+        return self._run([self._prompt(p) for p in prompts], sampling_params, use_tqdm)
+
+    def _prompt(self, p: object) -> tuple[str | None, list[int]]:
+        """One prompt of `generate` -> (its text if given, its token ids)."""
+        if isinstance(p, str):
+            return p, self._encode(p)
+        if isinstance(p, dict):
+            unknown = sorted(set(p) - {"prompt", "prompt_token_ids"})
+            if unknown or not p:
+                raise PromptError(f"a prompt dict takes the keys 'prompt' (text) or 'prompt_token_ids' (a list of "
+                                  f"token ids); got {unknown or 'none'}")
+            if "prompt_token_ids" in p:
+                text = p.get("prompt")
+                if text is not None and not isinstance(text, str):
+                    raise PromptError(f"a prompt dict's 'prompt' must be text, not {type(text).__name__}")
+                return text, self._token_ids(p["prompt_token_ids"])
+            if not isinstance(p["prompt"], str):
+                raise PromptError(f"a prompt dict's 'prompt' must be text, not {type(p['prompt']).__name__}")
+            return p["prompt"], self._encode(p["prompt"])
+        return None, self._token_ids(p)
+
+    @staticmethod
+    def _token_ids(ids: object) -> list[int]:
+        if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Sequence) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise PromptError("a prompt is a string, a list of token ids (integers), or a dict with 'prompt' or "
+                              f"'prompt_token_ids'; got {type(ids).__name__}"
+                              + (" holding non-integers" if isinstance(ids, Sequence) else ""))
+        return list(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

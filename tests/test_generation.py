@@ -146,3 +146,29 @@ def test_bad_prompts(llm):
         llm.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False)
     # The engine is still usable after refusing bad input.
     assert len(greedy(llm, max_tokens=3, ignore_eos=True).token_ids) == 3
+
+
+def test_vllm_prompt_dicts(llm):
+    """vLLM's TokensPrompt and TextPrompt shapes, alone or in a list, give what the plain forms give."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    for prompt in ({"prompt_token_ids": PROMPT}, [{"prompt_token_ids": PROMPT}],
+                   {"prompt_token_ids": PROMPT, "prompt": "t5 t9 t12 t5 t9"}):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.prompt_token_ids == PROMPT and out.outputs[0].token_ids == want
+    text = llm.generate(["t5 t9"], params, use_tqdm=False)[0]
+    assert llm.generate({"prompt": "t5 t9"}, params, use_tqdm=False)[0].outputs[0].token_ids == text.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_ids": [1, 2]}, "'prompt' .* or 'prompt_token_ids'"),
+    ({}, "'prompt' .* or 'prompt_token_ids'"),
+    ({"prompt": [1, 2]}, "must be text"),
+    ({"prompt_token_ids": "t5 t9"}, "list of token ids"),
+    ({"prompt_token_ids": [1.0, 2.0]}, "non-integers"),
+    ([[5, "9"]], "non-integers"),
+    (7, "list of token ids"),
+])
+def test_malformed_prompts_are_refused_naming_the_shapes(llm, prompt, match):
+    with pytest.raises(PromptError, match=match):
+        llm.generate(prompt if not isinstance(prompt, int) else [prompt], use_tqdm=False)
