@@ -94,8 +94,12 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def test_missing_and_corrupt_files_give_clear_errors(tmp_path):
-    with pytest.raises(ModelLoadError, match="does not exist"):
+    with pytest.raises(ModelLoadError, match="does not exist") as e:
         load_model(tmp_path / "nope.gguf")
+    assert "Hub" not in str(e.value)
+    with pytest.raises(ModelLoadError, match="Hub id: specserve never downloads.*huggingface-cli download "
+                                             "HuggingFaceTB/SmolLM2-360M-Instruct"):
+        load_model("HuggingFaceTB/SmolLM2-360M-Instruct")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 20)
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):

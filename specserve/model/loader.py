@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,12 +61,21 @@ def default_model_path() -> Path:
     )
 
 
+# owner/name as the Hugging Face Hub spells a model id (letters, digits, '-', '_', '.').
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
     if model is None or str(model) == "default":
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {str(model)!r} does not exist; give a Hugging Face model folder, a .gguf file, or 'default'")
+        hub = ""
+        if _HUB_ID.fullmatch(str(model)):  # org/name: what users of the Hub type
+            hub = (f" It looks like a Hugging Face Hub id: specserve never downloads; fetch the model first (for "
+                   f"example `huggingface-cli download {model} --local-dir DIR`) and pass the folder.")
+        raise ModelLoadError(f"model path {str(model)!r} does not exist; give a Hugging Face model folder, a .gguf "
+                             f"file, or 'default'.{hub}")
     return path
 
 
