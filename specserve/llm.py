@@ -15,7 +15,7 @@ from specserve.config_file import load_config_file, pick
 from specserve.engine.engine import LLMEngine
 from specserve.kv.budget import plan_kv_pool
 from specserve.errors import InvalidParameterError, PromptError
-from specserve.model.loader import DEFAULT_MAX_MODEL_LEN, LoadedModel, load_model
+from specserve.model.loader import DEFAULT_MAX_MODEL_LEN, LoadedModel, load_model, model_context
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
@@ -63,6 +63,10 @@ class LLM:
         context = self.target.model.max_positions
         if max_model_len is None:
             max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
+            if self.spec_config is not None and self.spec_config.method == "draft_model" and self.spec_config.model:
+                # A draft model of a shorter context caps the default (as vLLM does); a
+                # max_model_len given past it is refused by the proposer, naming the draft's.
+                max_model_len = min(max_model_len, model_context(self.spec_config.model))
         if not 2 <= max_model_len <= context:
             raise InvalidParameterError("max_model_len", max_model_len,
                                         f"must be in [2, {context}] (the positions the loaded model covers: its "

@@ -233,3 +233,16 @@ def test_adaptive_draft_lengths_keep_the_target_distribution(micro, monkeypatch)
     depths = llm.engine.stats().draft_depth_counts
     assert depths[1] + depths[2] > 0, depths  # it drafted
     assert pvalue > 1e-3
+
+
+def test_a_shorter_draft_context_caps_the_default_max_model_len(tiny, tmp_path):
+    """A draft model of 64 positions beside a 512-position target: with no max_model_len the
+    engine takes 64 (as vLLM does); one given past it is refused naming the draft's context."""
+    short = make_tiny_checkpoint(tmp_path / "short", vocab_size=64, seed=1, layers=1, hidden=32, heads=2, kv_heads=1,
+                                 max_positions=64)
+    spec = {"method": "draft_model", "model": str(short), "num_speculative_tokens": 2}
+    llm = LLM(loaded=tiny["loaded"], max_num_seqs=1, speculative_config=spec)
+    assert llm.engine_config.max_model_len == 64
+    assert len(run(llm, [[3, 5, 7]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]) == 8
+    with pytest.raises(InvalidParameterError, match=r"max_model_len.*draft model's context \(64\)"):
+        LLM(loaded=tiny["loaded"], max_num_seqs=1, speculative_config=spec, max_model_len=128)

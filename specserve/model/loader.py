@@ -121,6 +121,17 @@ def _check_native_shape(cfg: ModelConfig, path: Path) -> None:
             f"{cfg.intermediate_size}, head_dim={cfg.head_dim}: load it with quantization='none' (--quantization none)")
 
 
+def model_context(model: str | Path | None) -> int:
+    """The context (max_position_embeddings) of the model at `model`, from its config alone:
+    no weight is read."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return read_hf_config(path).max_position_embeddings
+    if path.suffix.lower() == ".gguf":
+        return read_gguf_config(open_gguf(path), path).max_position_embeddings
+    raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+
+
 def covered_positions(cfg: ModelConfig, max_model_len: int | None) -> int:
     """How many positions the model's tables (RoPE's cos and sin) cover: the engine's
     max_model_len (None: DEFAULT_MAX_MODEL_LEN), capped by the model's context. A file claiming
