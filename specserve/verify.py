@@ -59,7 +59,9 @@ def add_verify_parser(sub) -> None:
     v.add_argument("--prompts", default=None, metavar="FILE",
                    help="prompts: a JSONL file (its 'turns' or --field) or a text file, one prompt per line "
                         f"(default: {len(BUILT_IN_PROMPTS)} built-in prompts)")
-    v.add_argument("--field", default="turns", help="JSONL field holding the prompt")
+    v.add_argument("--field", default=None,
+                   help="JSONL field holding the prompt (a string or a list of turns; default: turns, prompt or text, "
+                        "the first a row holds)")
     v.add_argument("--max-tokens", type=int, default=64, help="greedy tokens compared per prompt (default 64)")
     v.add_argument("--temperature", type=float, default=1.0,
                    help="the sampled check's temperature (default 1.0; 0: the greedy check only)")
@@ -111,7 +113,7 @@ def homogeneity(a: Counter, b: Counter) -> tuple[float, float, int]:
     return p, tvd, len(big)
 
 
-def read_prompts(path: str | None, field: str) -> list[str]:
+def read_prompts(path: str | None, field: str | None) -> list[str]:
     if path is None:
         return list(BUILT_IN_PROMPTS)
     if path.endswith(".jsonl"):

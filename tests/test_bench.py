@@ -55,6 +55,15 @@ def test_jsonl_workload_with_field(tmp_path):
     assert [(p.category, p.text) for p in prompts] == [("a", "hello there"), ("all", "first turn")]
     with pytest.raises(InvalidParameterError, match="field='question'.*line 1 of w.jsonl"):
         load_workload(str(f), "question")
+    # No field named: turns, prompt or text, whichever a row holds (vLLM's and most datasets' "prompt").
+    assert load_workload(str(f)) == prompts
+    mixed = tmp_path / "m.jsonl"
+    mixed.write_text('{"turns": ["a turn"]}\n{"text": "some text"}\n{"question": "q?"}\n')
+    with pytest.raises(InvalidParameterError, match="line 3 of m.jsonl holds a prompt under none of turns, prompt, "
+                                                    "text; name its field with --field"):
+        load_workload(str(mixed))
+    mixed.write_text('{"turns": ["a turn"]}\n{"text": "some text"}\n')
+    assert [p.text for p in load_workload(str(mixed))] == ["a turn", "some text"]
     with pytest.raises(InvalidParameterError, match="unknown; available: a,all"):
         select(prompts, Selection(("b",)))
 

@@ -30,7 +30,9 @@ def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="measure plain decoding, speculative methods and peers side by side",
                        description="Plain decoding always runs: it is the baseline of speedup and identity.")
     b.add_argument("--workload", default="spec_bench", help="'spec_bench' (480 prompts, 13 categories) or a JSONL file")
-    b.add_argument("--field", default="turns", help="JSONL field holding the prompt (a string or a list of turns)")
+    b.add_argument("--field", default=None,
+                   help="JSONL field holding the prompt (a string or a list of turns; default: turns, prompt or text, "
+                        "the first a row holds)")
     b.add_argument("--limit", type=int, default=None, help="first N prompts (after the category filters)")
     b.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     b.add_argument("--categories", default=None, help="comma list of categories")

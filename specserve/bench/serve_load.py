@@ -28,7 +28,9 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--concurrency", type=int, default=16, help="streams kept in flight")
     p.add_argument("--num-requests", type=int, default=64, help="requests in all")
     p.add_argument("--workload", default="spec_bench", help="'spec_bench' or a JSONL file")
-    p.add_argument("--field", default="turns")
+    p.add_argument("--field", default=None,
+                   help="JSONL field holding the prompt (a string or a list of turns; default: turns, prompt or text, "
+                        "the first a row holds)")
     p.add_argument("--categories", default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -29,7 +29,9 @@ def add_tune_parser(sub) -> None:
                        description="Runs a sample of the workload through each candidate at the given concurrency, "
                                    "prints the table and writes the fastest lossless one as a --config file.")
     t.add_argument("--workload", default="spec_bench", help="a JSONL file of prompts, or 'spec_bench'")
-    t.add_argument("--field", default="turns", help="JSONL field holding the prompt (a string or a list of turns)")
+    t.add_argument("--field", default=None,
+                   help="JSONL field holding the prompt (a string or a list of turns; default: turns, prompt or text, "
+                        "the first a row holds)")
     t.add_argument("--num-prompts", type=int, default=SAMPLE, help="prompts sampled evenly from the workload")
     t.add_argument("--concurrency", type=int, default=1, help="requests in flight, as the server will run them")
     t.add_argument("--max-tokens", type=int, default=64)

@@ -58,18 +58,29 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, object]]:
             raise SpecserveError(f"{path}:{n} is not valid JSON: {e}") from None
 
 
-def load_workload(workload: str, field: str = "turns") -> list[BenchPrompt]:
+# The fields a row's prompt is looked for in when none is named: Spec-Bench's, then the usual.
+AUTO_FIELDS = ("turns", "prompt", "text")
+
+
+def load_workload(workload: str, field: str | None = None) -> list[BenchPrompt]:
     """`spec_bench`, or a JSONL file whose `field` holds a prompt string or a list of turns
-    (of which the first is used: later turns need the model's own earlier answers)."""
+    (of which the first is used: later turns need the model's own earlier answers). `field`
+    None: the first of AUTO_FIELDS each row holds."""
     path = spec_bench_path() if workload == SPEC_BENCH else Path(workload).expanduser()
     if not path.is_file():
         raise SpecserveError(f"workload {workload!r} is neither '{SPEC_BENCH}' nor an existing JSONL file")
     prompts = []
     for n, row in read_jsonl(path):
-        value = row.get(field) if isinstance(row, dict) else None
+        key = field
+        if key is None and isinstance(row, dict):
+            key = next((k for k in AUTO_FIELDS if k in row), None)
+        value = row.get(key) if isinstance(row, dict) and key is not None else None
         if isinstance(value, list) and value:
             value = value[0]
         if not isinstance(value, str) or not value.strip():
+            if field is None:
+                raise InvalidParameterError("field", None, f"line {n} of {path.name} holds a prompt under none of "
+                                            f"{', '.join(AUTO_FIELDS)}; name its field with --field")
             raise InvalidParameterError("field", field, f"line {n} of {path.name} holds no prompt string or turns list under it")
         prompts.append(BenchPrompt(str(row.get("category", DEFAULT_CATEGORY)), value))
     if not prompts:
