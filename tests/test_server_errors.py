@@ -182,8 +182,28 @@ def test_ten_megabyte_body_is_refused_before_parsing(server):
 
 
 def test_wrong_method_and_route(server):
-    assert_error(httpx.get(f"{server.url}{CHAT}"), 405)
+    assert_error(httpx.get(f"{server.url}{CHAT}"), 405, "GET is not allowed on /v1/chat/completions")
     assert_error(httpx.get(f"{server.url}/v1/nothing"), 404)
+    # OpenAI routes specserve does not serve are named as such, with the ones it does.
+    for route in ("/v1/embeddings", "/v1/responses", "/v1/audio/speech"):
+        assert_error(post(server, route, {"model": "tiny", "input": "hi"}), 404,
+                     f"POST {route} is not supported by specserve", "/v1/chat/completions", "/tokenize")
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server):
+    tok = server.llm.tokenizer
+    r = post(server, "/tokenize", {"model": "tiny", "prompt": "t5 t6 t7"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": 3, "max_model_len": 128, "tokens": tok.encode("t5 t6 t7")}
+    chat = post(server, "/tokenize", {"messages": MSG}).json()
+    assert chat["tokens"] == tok.encode_chat(MSG, add_generation_prompt=True) and chat["count"] == len(chat["tokens"])
+    r = post(server, "/detokenize", {"model": "tiny", "tokens": chat["tokens"]})
+    assert r.status_code == 200 and r.json() == {"prompt": tok.decode(chat["tokens"])}
+    assert_error(post(server, "/tokenize", {"prompt": "t5", "messages": MSG}), 400, "exactly one of prompt", param="prompt")
+    assert_error(post(server, "/tokenize", {}), 400, "exactly one of prompt", param="prompt")
+    assert_error(post(server, "/detokenize", {"tokens": [5, 64]}), 400, "outside the vocabulary", param="tokens")
+    assert_error(post(server, "/tokenize", {"model": "other", "prompt": "t5"}), 404, "does not exist")
+    assert_error(post(server, "/tokenize", {"prompt": "t5", "echo": True}), 400, "echo")
 
 
 def test_server_still_answers_after_bad_input(server):

@@ -21,7 +21,8 @@ from specserve.server.errors import APIError, error_response, validation_message
 from specserve.server.metrics import ServerMetrics
 from specserve.server.playground import add_playground
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, ModelCard, ModelList, fill_model_bounds)
+                                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
+                                       ModelCard, ModelList, TokenizeRequest, TokenizeResponse, fill_model_bounds)
 from specserve.server.serving import OpenAIServing
 
 logger = logging.getLogger("specserve.server")
@@ -42,7 +43,10 @@ _GENERATION = _ERRORS | {200: {"content": {"text/event-stream": {"schema": _EVEN
                                "description": "the response, or its stream of chunks"}}
 
 # The body model of each route that takes one, to name its required fields when it is missing.
-_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+# What a 404 lists: the routes a client of this server may call.
+_ROUTES = "POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models, /health, /metrics"
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
@@ -80,9 +84,14 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         status = 400 if e.status_code == 422 else e.status_code
-        return error_response(status, str(e.detail), headers=getattr(e, "headers", None))
+        detail = str(e.detail)
+        if status == 404:  # (OpenAI routes specserve has not: /v1/embeddings, /v1/responses, ...)
+            detail = f"{request.method} {request.url.path} is not supported by specserve; it serves {_ROUTES}"
+        elif status == 405:
+            detail = f"{request.method} is not allowed on {request.url.path}; it serves {_ROUTES}"
+        return error_response(status, detail, headers=getattr(e, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(_: Request, e: Exception) -> JSONResponse:
@@ -112,6 +121,14 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_GENERATION)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(body, raw)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving.detokenize(body)
 
     def openapi() -> dict:
         """FastAPI's document, with the served model's bounds filled in and without the 422

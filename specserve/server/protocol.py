@@ -148,7 +148,33 @@ class ChatCompletionRequest(_SamplingFields):
         "not": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}})
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a text prompt, or a chat rendered by the model's template as
+    /v1/chat/completions renders it."""
+
+    model: StrictStr | None = None
+    prompt: Text | None = Field(None, description="text to tokenize (exactly one of prompt and messages)")
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
+    add_special_tokens: StrictBool = Field(True, description="prompt: the BOS token the model adds, if any")
+    add_generation_prompt: StrictBool = Field(True, description="messages: end with the assistant turn's header")
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
 # ---- responses -------------------------------------------------------------------------------
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 class SpecUsage(BaseModel):
     """Extension of `usage`: how speculation went for this response (all choices)."""

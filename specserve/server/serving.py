@@ -30,7 +30,8 @@ from specserve.sampling_params import SamplingParams
 from specserve.server import render
 from specserve.server.errors import APIError, error_body
 from specserve.server.metrics import ServerMetrics
-from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                                       TokenizeRequest, TokenizeResponse)
 from specserve.tokenizer import Tokenizer
 from specserve.tokenizer.chat import RenderBounds, TemplateBoundsError
 from specserve.tokenizer.render_worker import RenderWorker
@@ -147,17 +148,7 @@ class OpenAIServing:
         model = self.model_name(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        messages = chat_messages(req)
-        try:
-            # Rendered in the worker process and encoded in a thread, so the event loop serves
-            # others meanwhile (a 2 MB conversation takes ~1 s to encode).
-            text, ids = await asyncio.to_thread(
-                self.tokenizer.chat_prompt, messages, add_generation_prompt=True,
-                plain_content=not self.config.special_tokens_in_content, renderer=self.chat_renderer.render)
-        except TemplateBoundsError as e:  # the model's template, not the messages, is at fault
-            raise APIError(500, str(e), "messages", "chat_template_error") from e
-        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
-            raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
+        text, ids = await self._chat_prompt(req, add_generation_prompt=True)
         job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk", req.provenance)
         # max_completion_tokens wins over the deprecated max_tokens (as in OpenAI and vLLM); each
         # one sent must still fit the context.
@@ -170,6 +161,38 @@ class OpenAIServing:
                                 req.stream_options)
         await self._collect(job, raw)
         return JSONResponse(self.render.chat(job))
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.model_name(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", "prompt")
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(self.tokenizer.encode, req.prompt, req.add_special_tokens)
+        else:
+            _, ids = await self._chat_prompt(req, add_generation_prompt=req.add_generation_prompt)
+        return TokenizeResponse(count=len(ids), max_model_len=self.config.max_model_len, tokens=ids)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.model_name(req.model)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (ids 0..{vocab - 1})", "tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens))
+
+    async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
+                           add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The request's messages rendered by the model's template -> (text, token ids)."""
+        try:
+            # Rendered in the worker process and encoded in a thread, so the event loop serves
+            # others meanwhile (a 2 MB conversation takes ~1 s to encode).
+            return await asyncio.to_thread(
+                self.tokenizer.chat_prompt, chat_messages(req), add_generation_prompt=add_generation_prompt,
+                plain_content=not self.config.special_tokens_in_content, renderer=self.chat_renderer.render)
+        except TemplateBoundsError as e:  # the model's template, not the messages, is at fault
+            raise APIError(500, str(e), "messages", "chat_template_error") from e
+        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+            raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
 
     def model_bounds(self) -> dict[str, int]:
         """The served model's figures that bound request fields (protocol.model_bound)."""
@@ -390,7 +413,7 @@ class OpenAIServing:
         logger.info(line)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The request's messages as the chat template takes them: OpenAI's "developer" role is the
     system role, and a content of text parts is their text."""
     return [{"role": "system" if m.role == "developer" else m.role,
