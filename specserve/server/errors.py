@@ -50,6 +50,15 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 _BRANCH = re.compile(r"^(str|int|float|bool|constrained-[\w-]+|[\w-]+\[.*\])$")
 
 
+# OpenAI (and vLLM) request parameters specserve knows but does not implement yet: a request
+# that sends one is told so, not that the parameter is unknown or out of range.
+NOT_SUPPORTED = frozenset({
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "structured_outputs", "best_of", "suffix", "audio", "modalities", "prediction",
+    "reasoning_effort", "web_search_options"})
+
+
 def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tuple[str, str | None]:
     """pydantic/FastAPI validation errors -> one message naming each bad field (what each
     branch of a union expected, once), and the first field's name as `param`. `required`: the
@@ -62,7 +71,10 @@ def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tu
     for name, errs in list(fields.items())[:5]:
         e = errs[0]
         kind = e.get("type", "")
-        if kind == "json_invalid":
+        if name in NOT_SUPPORTED:
+            parts.append(f"{name!r} is not supported by specserve yet"
+                         + (" (only 0, the default)" if name.endswith("_penalty") and kind != "extra_forbidden" else ""))
+        elif kind == "json_invalid":
             parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
         elif kind == "extra_forbidden":
             parts.append(f"unknown parameter {name!r}: this API does not accept it")
