@@ -45,7 +45,8 @@ class LLM:
                  max_num_seqs: int | None = None, seed: int = 0, loaded: LoadedModel | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, kv_cache_memory: int | float | None = None,
                  max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 max_step_ms: float = DEFAULT_MAX_STEP_MS):
+                 max_step_ms: float = DEFAULT_MAX_STEP_MS, **vllm_options):
+        check_vllm_options(vllm_options)
         file = load_config_file(config)
         if speculative_config is _FROM_CONFIG:
             speculative_config = file.get("speculative_config")
@@ -169,26 +170,71 @@ class LLM:
         params = [sampling_params] * len(encoded) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(encoded):
             raise InvalidParameterError("sampling_params", len(params), f"must be one, or one per prompt ({len(encoded)})")
-        order: dict[str, int] = {}
-        results: list[RequestOutput | None] = [None] * len(encoded)
+        order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, choice)
+        results: list[list[RequestOutput | None]] = [[None] * p.n for p in params]
         try:
             for i, ((text, ids), p) in enumerate(zip(encoded, params)):
-                rid = str(next(self._ids))
-                self.engine.add_request(rid, ids, p, text)
-                order[rid] = i
-            with tqdm(total=len(encoded), desc="Generating", unit="req", disable=not use_tqdm or len(encoded) < 2) as bar:
+                for j in range(p.n):
+                    rid = str(next(self._ids))
+                    self.engine.add_request(rid, ids, choice_params(p, j), text)
+                    order[rid] = (i, j)
+            with tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm or len(order) < 2) as bar:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         if out.finished and out.request_id in order:
-                            results[order[out.request_id]] = out
+                            i, j = order[out.request_id]
+                            results[i][j] = out
                             self.engine.pop_finished(out.request_id)
                             bar.update(1)
         finally:
             for rid in order:
                 self.engine.abort_request(rid)
                 self.engine.pop_finished(rid)
-        return results
+        return [merge_choices(outs) for outs in results]
 
     @staticmethod
     def aggregate_spec_stats(outputs: Sequence[RequestOutput]) -> SpecStats:
         return SpecStats.total(o.spec for o in outputs)
+
+
+def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """The engine request behind choice j of `params` (n choices): n=1, seeded seed + j (modulo
+    2**63) as the server seeds its choices, so that the n choices differ and each equals a single
+    request of that seed."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + j) % 2**63
+    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
+
+
+def merge_choices(outs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's n finished choices as one output: `outputs[j]` is choice j (index j); the
+    speculation figures are their total, the metrics choice 0's."""
+    if len(outs) == 1:
+        return outs[0]
+    return dataclasses.replace(outs[0], outputs=[dataclasses.replace(o.outputs[0], index=j) for j, o in enumerate(outs)],
+                               spec=SpecStats.total(o.spec for o in outs))
+
+
+# vLLM's LLM(...) options specserve has no use for: the values that mean "as specserve does"
+# (none: the option is for GPUs), and why. Code written for vLLM that passes such a value runs
+# unchanged; any other value is refused naming the option.
+_VLLM_OPTIONS = {
+    "tensor_parallel_size": ((1,), "specserve runs a model on one device"),
+    "pipeline_parallel_size": ((1,), "specserve runs a model on one device"),
+    "gpu_memory_utilization": ((), "a GPU option; size the KV pool with kv_cache_memory (bytes or a fraction)"),
+    "enforce_eager": ((True, False), "a CUDA-graph option"),
+    "trust_remote_code": ((False,), "specserve never runs code that comes with a model"),
+    "swap_space": ((), "a GPU option; specserve keeps the KV pool in memory"),
+    "cpu_offload_gb": ((0,), "a GPU option"),
+}
+
+
+def check_vllm_options(options: dict) -> None:
+    for name, value in options.items():
+        if name not in _VLLM_OPTIONS:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        accepted, why = _VLLM_OPTIONS[name]
+        if not any(value == a and type(value) is type(a) for a in accepted):
+            raise InvalidParameterError(name, value, f"is not supported by specserve ({why})"
+                                        + (f"; only {', '.join(map(repr, accepted))}" if accepted else ""))

@@ -16,6 +16,8 @@ MAX_LOGPROBS = 20
 MAX_TOP_K = 1 << 24
 # Stop strings and stop token ids per request (each is checked against every new token).
 MAX_STOP = 16
+# Completions per prompt (n): the server's default cap on engine requests per HTTP request.
+MAX_N = 64
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one
 # overflows float32 to inf (1e-38 gave NaN probabilities and <|endoftext|> tokens), and long
 # before that the distribution is one-hot at the argmax anyway.
@@ -56,6 +58,16 @@ class SamplingParams:
     # likely alternatives at each generated position, under the model's raw distribution
     # (before temperature and filters, as vLLM reports them).
     logprobs: int | None = None
+    # vLLM's names. n: completions per prompt (LLM.generate returns them as one output's
+    # `outputs`; choice j of a seeded request is seeded seed + j). best_of: None or n (no
+    # ranking of extra samples). The penalties are accepted at their neutral values only.
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True  # control tokens' text left out of `text`
+    include_stop_str_in_output: bool = False  # a stop string that ended the text stays in it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -94,6 +106,20 @@ class SamplingParams:
             _check_number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidParameterError("logprobs", self.logprobs, f"must be in [0, {MAX_LOGPROBS}]")
+        _check_number("n", self.n, int)
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidParameterError("n", self.n, f"must be in [1, {MAX_N}]")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidParameterError("best_of", self.best_of, "is not supported by specserve beyond n (choosing "
+                                        "the best of extra samples); leave it out or equal to n")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            _check_number(name, value, float)
+            if value != neutral:
+                raise InvalidParameterError(name, value, f"is not supported by specserve yet; only {neutral:g}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, getattr(self, name), "must be true or false")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", self.ignore_eos, "must be true or false")
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP:

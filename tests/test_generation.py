@@ -172,3 +172,48 @@ def test_vllm_prompt_dicts(llm):
 def test_malformed_prompts_are_refused_naming_the_shapes(llm, prompt, match):
     with pytest.raises(PromptError, match=match):
         llm.generate(prompt if not isinstance(prompt, int) else [prompt], use_tqdm=False)
+
+
+def test_vllm_sampling_params_n_and_text_options(llm):
+    """n choices per prompt (choice j seeded seed + j, as the server seeds them), include_stop_str_in_output,
+    skip_special_tokens; the penalties and best_of at their neutral values only, refused by name otherwise."""
+    sampled = SamplingParams(temperature=1.0, max_tokens=6, seed=7, n=3, ignore_eos=True)
+    out = llm.generate([PROMPT], sampled, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    for j, o in enumerate(out.outputs):
+        alone = llm.generate([PROMPT], SamplingParams(temperature=1.0, max_tokens=6, seed=7 + j, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0]
+        assert o.token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    text = greedy(llm, max_tokens=8, ignore_eos=True).text
+    stop = text.split()[2]
+    cut = greedy(llm, max_tokens=8, ignore_eos=True, stop=[stop])
+    kept = greedy(llm, max_tokens=8, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == cut.text + stop and text.startswith(kept.text)
+    SamplingParams(n=2, best_of=2, presence_penalty=0.0, repetition_penalty=1.0, skip_special_tokens=False)
+    for kwargs, param in [({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1}, "frequency_penalty"),
+                          ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"n": 2, "best_of": 4}, "best_of"),
+                          ({"n": 0}, "n"), ({"skip_special_tokens": 1}, "skip_special_tokens")]:
+        with pytest.raises(InvalidParameterError, match=param):
+            SamplingParams(**kwargs)
+
+
+def test_skip_special_tokens_reaches_the_requests_detokenizer(llm):
+    """The detokenizer's own tests cover both settings; here the request's setting reaches it."""
+    engine = llm.engine
+    for skip in (True, False):
+        engine.add_request(f"skip-{skip}", PROMPT, SamplingParams(max_tokens=1, skip_special_tokens=skip))
+        assert engine.requests[f"skip-{skip}"].detokenizer.skip_special_tokens is skip
+        engine.abort_request(f"skip-{skip}")
+        engine.pop_finished(f"skip-{skip}")
+
+
+def test_vllm_gpu_options_are_named_not_a_type_error(tiny):
+    LLM(loaded=tiny["loaded"], tensor_parallel_size=1, enforce_eager=False, trust_remote_code=False)
+    for kwargs, name in [({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+                         ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization"),
+                         ({"trust_remote_code": True}, "trust_remote_code")]:
+        with pytest.raises(InvalidParameterError, match=f"{name}.*not supported by specserve"):
+            LLM(loaded=tiny["loaded"], **kwargs)
+    with pytest.raises(TypeError, match="frobnicate"):
+        LLM(loaded=tiny["loaded"], frobnicate=1)

@@ -184,6 +184,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", type(params).__name__, "must be a SamplingParams")
         params.validate()
+        if params.n != 1:
+            raise InvalidParameterError("n", params.n, "must be 1 for one engine request (LLM.generate and the "
+                                        "server make n requests, choice j seeded seed + j)")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise InvalidParameterError("stop_token_ids", bad[:5],
@@ -208,7 +211,7 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             noise=PositionNoise(self.seeds.getrandbits(63) if params.seed is None else params.seed),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens),
             eos_token_ids=self.tokenizer.eos_token_ids,
             num_speculative_tokens=self._request_k(use_speculation, num_speculative_tokens),
             # Draft lengths chosen each step, unless the request asked for its own k.

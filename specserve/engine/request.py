@@ -125,8 +125,9 @@ class Request:
         return self.finished
 
     def _hit_stop_string(self, num_new_chars: int) -> bool:
-        """Truncate the text before the first stop string, searching only where a new match
-        can start (a stop string may straddle earlier text and the new piece)."""
+        """Truncate the text before the first stop string (after it, with
+        include_stop_str_in_output), searching only where a new match can start (a stop string
+        may straddle earlier text and the new piece)."""
         if not self.params.stop or not num_new_chars:
             return False
         longest = max(len(s) for s in self.params.stop)
@@ -135,7 +136,7 @@ class Request:
         if not hits:
             return False
         cut, s = min(hits)
-        self.text = self.text[:cut]
+        self.text = self.text[:cut + len(s)] if self.params.include_stop_str_in_output else self.text[:cut]
         self.status, self.finish_reason, self.stop_reason = Status.FINISHED, "stop", s
         return True
 
