@@ -60,10 +60,11 @@ def test_jsonl_workload_with_field(tmp_path):
     mixed = tmp_path / "m.jsonl"
     mixed.write_text('{"turns": ["a turn"]}\n{"text": "some text"}\n{"question": "q?"}\n')
     with pytest.raises(InvalidParameterError, match="line 3 of m.jsonl holds a prompt under none of turns, prompt, "
-                                                    "text; name its field with --field"):
+                                                    "text, messages; name its field with --field"):
         load_workload(str(mixed))
-    mixed.write_text('{"turns": ["a turn"]}\n{"text": "some text"}\n')
-    assert [p.text for p in load_workload(str(mixed))] == ["a turn", "some text"]
+    mixed.write_text('{"turns": ["a turn"]}\n{"text": "some text"}\n'
+                     '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}\n')
+    assert [p.text for p in load_workload(str(mixed))] == ["a turn", "some text", "hi"]
     with pytest.raises(InvalidParameterError, match="unknown; available: a,all"):
         select(prompts, Selection(("b",)))
 

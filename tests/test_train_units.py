@@ -93,8 +93,12 @@ def test_prompt_file_refuses_spec_bench_and_drops_its_prompts(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     convs = read_prompt_file(path)
     assert convs == [[{"role": "user", "content": "Tell me about owls."}], rows[2]["messages"]]
-    path.write_text('{"text": "no prompt key"}\n')
-    with pytest.raises(InvalidParameterError, match="line 1"):
+    # The benchmarks' rule: a prompt under turns (the first), prompt or text.
+    path.write_text('{"turns": ["First turn.", "Second."]}\n{"text": "Some text."}\n')
+    assert read_prompt_file(path) == [[{"role": "user", "content": "First turn."}],
+                                      [{"role": "user", "content": "Some text."}]]
+    path.write_text('{"question": "no prompt key"}\n')
+    with pytest.raises(InvalidParameterError, match='line 1 has no "messages" list and no prompt under'):
         read_prompt_file(path)
 
 

@@ -58,8 +58,20 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, object]]:
             raise SpecserveError(f"{path}:{n} is not valid JSON: {e}") from None
 
 
-# The fields a row's prompt is looked for in when none is named: Spec-Bench's, then the usual.
-AUTO_FIELDS = ("turns", "prompt", "text")
+# The fields a row's prompt is looked for in when none is named: Spec-Bench's, then the usual
+# (the same rule as train-draft's --prompts): a string, a list of turns, or chat messages.
+AUTO_FIELDS = ("turns", "prompt", "text", "messages")
+
+
+def first_turn(value: object) -> str | None:
+    """A row field's prompt text: the string itself, the first of a list of turns, or the first
+    user message of a list of chat messages; None when it holds none."""
+    if isinstance(value, list) and value:
+        if all(isinstance(m, dict) for m in value):
+            value = next((m.get("content") for m in value if m.get("role") == "user"), None)
+        else:
+            value = value[0]
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def load_workload(workload: str, field: str | None = None) -> list[BenchPrompt]:
@@ -74,10 +86,8 @@ def load_workload(workload: str, field: str | None = None) -> list[BenchPrompt]:
         key = field
         if key is None and isinstance(row, dict):
             key = next((k for k in AUTO_FIELDS if k in row), None)
-        value = row.get(key) if isinstance(row, dict) and key is not None else None
-        if isinstance(value, list) and value:
-            value = value[0]
-        if not isinstance(value, str) or not value.strip():
+        value = first_turn(row.get(key)) if isinstance(row, dict) and key is not None else None
+        if value is None:
             if field is None:
                 raise InvalidParameterError("field", None, f"line {n} of {path.name} holds a prompt under none of "
                                             f"{', '.join(AUTO_FIELDS)}; name its field with --field")

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.bench.workload import read_jsonl, spec_bench_path
+from specserve.bench.workload import first_turn, read_jsonl, spec_bench_path
 from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -52,8 +52,9 @@ USER_TURNS = "task-openers-1"  # names TASK_OPENERS' current list in a data cach
 
 
 def read_prompt_file(path: str | Path) -> list[list[dict]]:
-    """JSONL rows {"prompt": "..."} or {"messages": [{"role": ..., "content": ...}, ...]} ->
-    conversations to answer. Refuses Spec-Bench itself and drops rows whose user text is a
+    """JSONL rows {"messages": [{"role": ..., "content": ...}, ...]}, or a prompt under "prompt",
+    "turns" (the first turn) or "text" (the benchmarks' rule: bench/workload.py's AUTO_FIELDS)
+    -> conversations to answer. Refuses Spec-Bench itself and drops rows whose user text is a
     Spec-Bench prompt."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -63,12 +64,15 @@ def read_prompt_file(path: str | Path) -> list[list[dict]]:
         raise InvalidParameterError("prompts", str(path), "is Spec-Bench, the benchmark; train on other prompts")
     conversations = []
     for n, row in read_jsonl(path):
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
-            conversations.append([{"role": "user", "content": row["prompt"]}])
-        elif isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+        if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
             conversations.append(row["messages"])
-        else:
-            raise InvalidParameterError("prompts", str(path), f'line {n} has neither a "prompt" string nor a "messages" list')
+            continue
+        text = next((t for k in ("turns", "prompt", "text") if isinstance(row, dict) and k in row
+                     for t in [first_turn(row[k])] if t is not None), None)
+        if text is None:
+            raise InvalidParameterError("prompts", str(path), f'line {n} has no "messages" list and no prompt under '
+                                        '"turns", "prompt" or "text"')
+        conversations.append([{"role": "user", "content": text}])
     bench_texts = spec_bench_texts()
     kept = [c for c in conversations if not any(
         isinstance(m, dict) and isinstance(m.get("content"), str) and m["content"].strip() in bench_texts for m in c)]
