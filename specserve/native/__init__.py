@@ -24,6 +24,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -42,6 +43,9 @@ def build_dir() -> Path:
     """One folder per torch build and source version: a new torch or edited sources build anew."""
     root = Path(os.environ.get("SPECSERVE_CACHE_DIR", Path.home() / ".cache" / "specserve")).expanduser()
     digest = hashlib.sha256()
+    # The folder's build file names the sources by absolute path: two checkouts with equal
+    # sources sharing one folder would rebuild each other's kernels on every alternate load.
+    digest.update(str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
@@ -56,9 +60,28 @@ def build(verbose: bool = False) -> ModuleType:
 
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    clear_stale_lock(folder)
     return cpp_extension.load(name="specserve_native", sources=[str(s) for s in sources()],
                               extra_cflags=_FLAGS, extra_include_paths=[str(CSRC)],
                               build_directory=str(folder), verbose=verbose)
+
+
+# A build that was killed leaves torch's lock file in its folder, and every later load would wait
+# on it forever. No build takes this long (about a minute; a few on a loaded machine).
+STALE_LOCK_S = 900.0
+
+
+def clear_stale_lock(folder: Path) -> None:
+    """Remove `folder`'s build lock if it is older than STALE_LOCK_S (a build was interrupted)."""
+    lock = folder / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        print(f"specserve: removing a stale kernel build lock ({lock}, {age / 60:.0f} minutes old: a build was "
+              "interrupted)", file=sys.stderr)
+        lock.unlink(missing_ok=True)
 
 
 @functools.cache
