@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.config import EngineConfig
@@ -208,19 +209,21 @@ class TreeCandidates:
         -> for the next frontier, the index [B, K] of each node's parent in this frontier
         (None when `last`)."""
         k, bsz = self.k, logits.shape[0]
+        # log_softmax before topk, not topk of the logits: two logits may round to one
+        # log-probability, and the tie must fall as the scores say.
         clp, ctok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, K, K]
-        score = (self.frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
-        base = k + (level - 2) * k * k  # id of this level's first candidate
-        self.tok.append(ctok.flatten(1))
+        score = (self.frontier_score[:, :, None] + clp).view(bsz, k * k)
+        ctok = ctok.reshape(bsz, k * k)
+        self.tok.append(ctok)
         self.score.append(score)
         self.parent.append(self.frontier_id[:, :, None].expand(bsz, k, k).flatten(1))
         self.depth.append(level)
         if last:
             return None
-        sel = score.topk(k, dim=-1).indices  # [B, K] the next depth's expanded nodes
-        self.frontier_id = base + sel
-        self.frontier_tok = ctok.flatten(1).gather(1, sel)
-        self.frontier_score = score.gather(1, sel)
+        # topk's values are the selected scores themselves: no gather of them.
+        self.frontier_score, sel = score.topk(k, dim=-1)  # [B, K] the next depth's expanded nodes
+        self.frontier_id = sel + (k + (level - 2) * k * k)  # this level's first candidate id + sel
+        self.frontier_tok = ctok.gather(1, sel)
         return sel // k
 
     def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor) -> list[DraftTree]:
@@ -233,20 +236,19 @@ def select_trees(limits: list[tuple[int, int]], draft_ids: torch.Tensor, cand_to
     b; cand_* per growth level: draft-vocabulary indices, cumulative log-probabilities and
     parent candidate ids [B, n], numbered in creation order (parents before children);
     draft_ids [Vd] maps draft indices to target ids."""
-    depth_of = torch.cat([torch.full((t.shape[1],), lv) for t, lv in zip(cand_tok, cand_depth)])  # [N]
+    depth_np = np.repeat(np.asarray(cand_depth, dtype=np.int64), [t.shape[1] for t in cand_tok])  # [N]
     # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
-    score = torch.cat(cand_score, dim=1).double().cpu() - _DEPTH_TIE_BREAK * depth_of  # [B, N]
-    tokens = draft_ids[torch.cat(cand_tok, dim=1)].cpu()  # [B, N] target ids
-    parents = torch.cat(cand_parent, dim=1).cpu()
+    score = torch.cat(cand_score, dim=1).double().cpu() - _DEPTH_TIE_BREAK * torch.from_numpy(depth_np)  # [B, N]
+    tokens = draft_ids.cpu().numpy()[torch.cat(cand_tok, dim=1).cpu().numpy()]  # [B, N] target ids
+    parents = torch.cat(cand_parent, dim=1).cpu().numpy()
     trees = []
     for b, (deepest, max_nodes) in enumerate(limits):
-        allowed = depth_of <= deepest
-        s = score[b].masked_fill(~allowed, float("-inf"))
-        n = min(max_nodes, int(allowed.sum()))
-        chosen = s.topk(n).indices.sort().values.tolist()  # creation order: parents first
-        node_of = {c: i for i, c in enumerate(chosen)}
-        par = parents[b].tolist()
-        trees.append(DraftTree([int(tokens[b, c]) for c in chosen], [node_of.get(par[c], -1) for c in chosen]))
+        allowed = depth_np <= deepest
+        num_allowed = int(allowed.sum())
+        s = score[b] if num_allowed == len(depth_np) else score[b].masked_fill(~torch.from_numpy(allowed), float("-inf"))
+        chosen = np.sort(s.topk(min(max_nodes, num_allowed)).indices.numpy())  # creation order: parents first
+        node_of = {c: i for i, c in enumerate(chosen.tolist())}
+        trees.append(DraftTree(tokens[b, chosen].tolist(), [node_of.get(p, -1) for p in parents[b, chosen].tolist()]))
     return trees
 
 
