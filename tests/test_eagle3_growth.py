@@ -126,9 +126,10 @@ class ReferenceProposer(Eagle3Proposer):
         return cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids)
 
 
-def _candidates_of(cands) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (draft indices, scores, parent ids) [B, N] of every candidate, creation order."""
-    return (torch.cat(cands.tok, 1), torch.cat(cands.score, 1), torch.cat(cands.parent, 1))
+def _candidates_of(cands) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (draft indices, scores) [B, N] of every candidate, creation order (the parents are
+    compared through the trees)."""
+    return (torch.cat(cands.tok, 1), torch.cat(cands.score, 1))
 
 
 def run_side_by_side(drafter: Eagle3Drafter, target, monkeypatch, depths: list[int], nodes: list[int], topk: int,

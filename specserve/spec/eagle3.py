@@ -155,9 +155,9 @@ class Eagle3Proposer(FeatureTreeProposer):
                 ids = d.draft_ids.index_select(0, cands.frontier_tok.view(-1))
                 out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
                 last = j == depth - 2
-                parent = cands.expand(j + 2, logits.view(len(rows), k, -1), last=last)
+                sel = cands.expand(j + 2, logits.view(len(rows), k, -1), last=last)
                 if not last:
-                    flat = (parent + plan.row_base.to(parent.device)).view(-1)  # [B * K] parent's row in this pass
+                    flat = plan.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
                     frontier_out = out.index_select(0, flat)
                     frontier_anc = anc.index_select(0, flat.cpu())
                 t1 = time.perf_counter()
@@ -187,7 +187,7 @@ class _GrowthPlan:
     tree_size: torch.Tensor  # [depths, B]
     own: torch.Tensor  # [depths, n, span] uint8: each row's own tree slot at depth j
     seq: torch.Tensor  # [n] the request of each row
-    row_base: torch.Tensor  # [B, 1] the request's first row
+    parent_row: torch.Tensor  # [B, K * K] the row of child c's parent: b * K + c // K
 
     @classmethod
     def of(cls, rows: list[_Row], tables: torch.Tensor, k: int, depth: int, rows_of) -> _GrowthPlan:
@@ -207,7 +207,8 @@ class _GrowthPlan:
             kv_start=torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, bsz)),
             tree_row=torch.from_numpy(np.arange(n) * span), tree_start=torch.from_numpy(last + 1),
             tree_size=torch.from_numpy(np.repeat((level + 1) * k, bsz, axis=1)), own=torch.from_numpy(own),
-            seq=torch.from_numpy(seq), row_base=torch.from_numpy(np.arange(0, n, k)[:, None]))
+            seq=torch.from_numpy(seq),
+            parent_row=torch.from_numpy(np.arange(0, n, k)[:, None] + np.arange(k * k) // k))
 
 
 def _build(options: EagleOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
