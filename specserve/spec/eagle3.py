@@ -85,6 +85,9 @@ class Eagle3Proposer(FeatureTreeProposer):
         self.v_rows = self.kv.cache.v.view(1, -1, *self.kv.cache.v.shape[-2:])
         self.block_size = bs
         self.times = DraftingTimes()
+        # (B, K, depths) -> the growth metadata that does not depend on positions (a few
+        # shapes per server: batch sizes up to max_num_seqs, depths up to the method's cap).
+        self._shapes: dict[tuple[int, int, int], _GrowthShape] = {}
 
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
@@ -144,20 +147,22 @@ class Eagle3Proposer(FeatureTreeProposer):
         cands = TreeCandidates(root_logits, k)
         t0 = time.perf_counter()  # the plan counts as growth time, spread over the depths
         if depth > 1:
-            plan = _GrowthPlan.of(rows, tables, k, depth, self._rows_of)
-            frontier_out = roots.index_select(0, plan.seq.to(roots.device))  # [B * K, H] each parent's output
-            frontier_anc = plan.own[0]  # [B * K, span] expanded ancestors' tree slots, own slot set
+            key = (len(rows), k, depth - 1)
+            shape = self._shapes.get(key) or self._shapes.setdefault(key, _GrowthShape.of(*key))
+            plan = _GrowthPlan.of(shape, rows, tables, self._rows_of)
+            frontier_out = roots.index_select(0, shape.seq.to(roots.device))  # [B * K, H] each parent's output
+            frontier_anc = shape.own[0]  # [B * K, span] expanded ancestors' tree slots, own slot set
             for j in range(depth - 1):  # level j + 2
-                anc = frontier_anc if j == 0 else frontier_anc + plan.own[j]  # own slot free until now: + is |
-                p = DraftPass(plan.positions[j], plan.write_rows[j], plan.q_start, tables, self.block_size,
-                              plan.prefix_len, plan.kv_start, tree_row=plan.tree_row, tree_start=plan.tree_start,
-                              tree_size=plan.tree_size[j], tree_mask=anc.view(-1))
+                anc = frontier_anc if j == 0 else frontier_anc + shape.own[j]  # own slot free until now: + is |
+                p = DraftPass(plan.positions[j], plan.write_rows[j], shape.q_start, tables, self.block_size,
+                              plan.prefix_len, plan.kv_start, tree_row=shape.tree_row, tree_start=plan.tree_start,
+                              tree_size=shape.tree_size[j], tree_mask=anc.view(-1))
                 ids = d.draft_ids.index_select(0, cands.frontier_tok.view(-1))
                 out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
                 last = j == depth - 2
                 sel = cands.expand(j + 2, logits.view(len(rows), k, -1), last=last)
                 if not last:
-                    flat = plan.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
+                    flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
                     frontier_out = out.index_select(0, flat)
                     frontier_anc = anc.index_select(0, flat.cpu())
                 t1 = time.perf_counter()
@@ -169,46 +174,55 @@ class Eagle3Proposer(FeatureTreeProposer):
         return trees
 
 
+@dataclass(frozen=True, slots=True)
+class _GrowthShape:
+    """What every proposal of B requests growing `depths` depths of K nodes shares (no positions),
+    built once per (B, K, depths). n = B * K rows per pass, row b * K + i the frontier's i-th
+    node of request b; depth j writes tree slot j * K + i after the context; the ancestor mask
+    rows are `span` = depths * K bytes apart, of which the first tree_size[j] = (j + 1) * K are read."""
+
+    seq_np: np.ndarray  # [n] the request of each row
+    tree_slot: np.ndarray  # [depths, n] each row's tree slot at depth j
+    seq: torch.Tensor  # [n]
+    q_start: torch.Tensor  # [B + 1]
+    tree_row: torch.Tensor  # [n] byte offset of each row's ancestor mask
+    tree_size: torch.Tensor  # [depths, B]
+    own: torch.Tensor  # [depths, n, span] uint8: each row's own tree slot at depth j
+    parent_row: torch.Tensor  # [B, K * K] the row of child c's parent: b * K + c // K
+
+    @classmethod
+    def of(cls, bsz: int, k: int, depths: int) -> _GrowthShape:
+        n, span = bsz * k, depths * k
+        seq = np.repeat(np.arange(bsz), k)
+        level = np.arange(depths)[:, None]  # [depths, 1]
+        tree_slot = level * k + np.tile(np.arange(k), bsz)
+        own = np.zeros((depths, n, span), dtype=np.uint8)
+        own[level, np.arange(n), tree_slot] = 1
+        return cls(seq, tree_slot, torch.from_numpy(seq), torch.from_numpy(np.arange(0, n + 1, k)),
+                   torch.from_numpy(np.arange(n) * span), torch.from_numpy(np.repeat((level + 1) * k, bsz, axis=1)),
+                   torch.from_numpy(own), torch.from_numpy(np.arange(0, n, k)[:, None] + np.arange(k * k) // k))
+
+
 @dataclass(slots=True)
 class _GrowthPlan:
-    """Every growth depth's pass metadata, computed once per proposal (numpy, then shared as
-    tensors; depth j's are row views). n = B * K rows per pass, row b * K + i the frontier's
-    i-th node of request b; depth j (level j + 2) sits at position L + 1 + j and writes tree slot
-    j * K + i after the context (slot L + 1 + j * K + i); its ancestor mask rows are `span` bytes
-    apart, of which the first tree_size[j] = (j + 1) * K are read."""
+    """The growth passes' metadata that depends on the rows' positions, for one proposal (depth
+    j's are row views): depth j (level j + 2) sits at position L + 1 + j and writes slot
+    L + 1 + tree_slot."""
 
     positions: torch.Tensor  # [depths, n]
     write_rows: torch.Tensor  # [depths, n] physical cache rows
     prefix_len: torch.Tensor  # [n] the context: slots up to L
-    q_start: torch.Tensor  # [B + 1]
     kv_start: torch.Tensor  # [B]
-    tree_row: torch.Tensor  # [n] byte offset of each row's ancestor mask
     tree_start: torch.Tensor  # [B] L + 1
-    tree_size: torch.Tensor  # [depths, B]
-    own: torch.Tensor  # [depths, n, span] uint8: each row's own tree slot at depth j
-    seq: torch.Tensor  # [n] the request of each row
-    parent_row: torch.Tensor  # [B, K * K] the row of child c's parent: b * K + c // K
 
     @classmethod
-    def of(cls, rows: list[_Row], tables: torch.Tensor, k: int, depth: int, rows_of) -> _GrowthPlan:
-        bsz, depths = len(rows), depth - 1
-        n, span = bsz * k, depths * k
-        last = np.fromiter((r.last for r in rows), np.int64, bsz)
-        seq = np.repeat(np.arange(bsz), k)  # [n]
-        after = last[seq] + 1  # [n] each row's first tree slot
-        level = np.arange(depths)[:, None]  # [depths, 1]
-        tree_slot = level * k + np.tile(np.arange(k), bsz)  # [depths, n]
-        own = np.zeros((depths, n, span), dtype=np.uint8)
-        own[level, np.arange(n), tree_slot] = 1
-        return cls(
-            positions=torch.from_numpy(after + level),
-            write_rows=torch.from_numpy(rows_of(tables.numpy(), after + tree_slot, seq)),
-            prefix_len=torch.from_numpy(after), q_start=torch.from_numpy(np.arange(0, n + 1, k)),
-            kv_start=torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, bsz)),
-            tree_row=torch.from_numpy(np.arange(n) * span), tree_start=torch.from_numpy(last + 1),
-            tree_size=torch.from_numpy(np.repeat((level + 1) * k, bsz, axis=1)), own=torch.from_numpy(own),
-            seq=torch.from_numpy(seq),
-            parent_row=torch.from_numpy(np.arange(0, n, k)[:, None] + np.arange(k * k) // k))
+    def of(cls, shape: _GrowthShape, rows: list[_Row], tables: torch.Tensor, rows_of) -> _GrowthPlan:
+        after = np.fromiter((r.last + 1 for r in rows), np.int64, len(rows))  # [B] each row's first tree slot
+        after_n = after[shape.seq_np]  # [n]
+        return cls(torch.from_numpy(after_n + np.arange(len(shape.tree_slot))[:, None]),
+                   torch.from_numpy(rows_of(tables.numpy(), after_n + shape.tree_slot, shape.seq_np)),
+                   torch.from_numpy(after_n), torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))),
+                   torch.from_numpy(after))
 
 
 def _build(options: EagleOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
