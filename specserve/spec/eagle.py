@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specserve.config import EngineConfig
@@ -182,9 +183,10 @@ class EagleProposer(FeatureTreeProposer):
             meta = self.kv.metadata(tables, positions, slots, visible)
             g = d.heads(d.embed(d.vocab.ids[cands.frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
                         self.kv.cache)
-            parent = cands.expand(level, d.vocab(g), last=level == depth)
+            sel = cands.expand(level, d.vocab(g), last=level == depth)
             offset += k
-            if parent is not None:
+            if sel is not None:
+                parent = sel // k  # [B, K] each next frontier node's parent in this frontier
                 frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
                 frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
         return cands.trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids)
@@ -193,60 +195,70 @@ class EagleProposer(FeatureTreeProposer):
 
 class TreeCandidates:
     """Every candidate of a batch of growing trees, numbered in creation order (parents before
-    children), and the frontier: the `k` candidates per row that the next depth expands."""
+    children: depth 1's k, then k * k per depth), and the frontier: the `k` candidates per row
+    that the next depth expands."""
 
     def __init__(self, root_logits: torch.Tensor, k: int):
         """root_logits [B, Vd]: the root's children are its top k."""
         lp, tok = torch.log_softmax(root_logits, -1).topk(k, dim=-1)  # [B, K] depth-1 candidates
         self.k = k
-        self.tok, self.score, self.parent, self.depth = [tok], [lp], [torch.full_like(tok, -1)], [1]
-        self.frontier_id = torch.arange(k, device=tok.device).expand(tok.shape[0], k)  # [B, K] candidate ids
+        self.tok, self.score = [tok], [lp]  # per depth: draft-vocabulary indices, scores [B, n]
+        self.picked: list[torch.Tensor] = []  # per expanded depth but the last: the next frontier [B, K]
         self.frontier_tok, self.frontier_score = tok, lp  # [B, K] draft-vocabulary indices, scores
 
     def expand(self, level: int, logits: torch.Tensor, last: bool) -> torch.Tensor | None:
-        """The frontier's logits [B, K, Vd] add each node's top k children (depth `level`).
-        -> for the next frontier, the index [B, K] of each node's parent in this frontier
-        (None when `last`)."""
+        """The frontier's logits [B, K, Vd] add each node's top k children (depth `level`, the
+        depth after the last one added). -> the next frontier [B, K] as indices among these
+        K * K children (child c is a child of the frontier's node c // K); None when `last`."""
         k, bsz = self.k, logits.shape[0]
+        assert level == len(self.tok) + 1
+        # log_softmax before topk, not topk of the logits: two logits may round to one
+        # log-probability, and such a tie must fall as the scores' top k says.
         clp, ctok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, K, K]
-        score = (self.frontier_score[:, :, None] + clp).flatten(1)  # [B, K * K]
-        base = k + (level - 2) * k * k  # id of this level's first candidate
-        self.tok.append(ctok.flatten(1))
+        score = (self.frontier_score[:, :, None] + clp).view(bsz, k * k)
+        ctok = ctok.reshape(bsz, k * k)
+        self.tok.append(ctok)
         self.score.append(score)
-        self.parent.append(self.frontier_id[:, :, None].expand(bsz, k, k).flatten(1))
-        self.depth.append(level)
         if last:
             return None
-        sel = score.topk(k, dim=-1).indices  # [B, K] the next depth's expanded nodes
-        self.frontier_id = base + sel
-        self.frontier_tok = ctok.flatten(1).gather(1, sel)
-        self.frontier_score = score.gather(1, sel)
-        return sel // k
+        # topk's values are the selected scores themselves: no gather of them.
+        self.frontier_score, sel = score.topk(k, dim=-1)  # [B, K] the next depth's expanded nodes
+        self.frontier_tok = ctok.gather(1, sel)
+        self.picked.append(sel)
+        return sel
 
     def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor) -> list[DraftTree]:
-        return select_trees(limits, draft_ids, self.tok, self.score, self.parent, self.depth)
+        """Each row's best candidates (select_trees); draft_ids [Vd] maps draft indices to target ids."""
+        k, bsz = self.k, self.tok[0].shape[0]
+        sizes = [t.shape[1] for t in self.tok]
+        # Parent candidate ids, per depth: -1 (the root) at depth 1, the frontier's ids each
+        # repeated for its k children after (depth 2's frontier is depth 1, ids 0..k-1).
+        parents = [np.full((bsz, k), -1)]
+        if len(sizes) > 1:
+            parents.append(np.broadcast_to(np.repeat(np.arange(k), k), (bsz, k * k)))
+        for i, sel in enumerate(self.picked[:len(sizes) - 2]):  # depth i + 3's parents, at depth i + 2
+            parents.append(np.repeat(sel.cpu().numpy() + (k + i * k * k), k, axis=1))
+        return select_trees(limits, draft_ids.cpu().numpy()[torch.cat(self.tok, dim=1).cpu().numpy()],
+                            torch.cat(self.score, dim=1).cpu(), np.concatenate(parents, axis=1),
+                            np.repeat(np.arange(1, len(sizes) + 1), sizes))
 
 
-def select_trees(limits: list[tuple[int, int]], draft_ids: torch.Tensor, cand_tok: list[torch.Tensor],
-                 cand_score: list[torch.Tensor], cand_parent: list[torch.Tensor], cand_depth: list[int]) -> list[DraftTree]:
+def select_trees(limits: list[tuple[int, int]], tokens: np.ndarray, score: torch.Tensor, parents: np.ndarray,
+                 depth_of: np.ndarray) -> list[DraftTree]:
     """Each row's best candidates as DraftTrees: limits[b] = (deepest depth, most nodes) of row
-    b; cand_* per growth level: draft-vocabulary indices, cumulative log-probabilities and
-    parent candidate ids [B, n], numbered in creation order (parents before children);
-    draft_ids [Vd] maps draft indices to target ids."""
-    depth_of = torch.cat([torch.full((t.shape[1],), lv) for t, lv in zip(cand_tok, cand_depth)])  # [N]
+    b; candidates numbered in creation order (parents before children): target ids tokens
+    [B, N], cumulative log-probabilities score float32 [B, N] (host), parent candidate ids
+    parents [B, N] (-1: the root) and depths depth_of [N]."""
     # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
-    score = torch.cat(cand_score, dim=1).double().cpu() - _DEPTH_TIE_BREAK * depth_of  # [B, N]
-    tokens = draft_ids[torch.cat(cand_tok, dim=1)].cpu()  # [B, N] target ids
-    parents = torch.cat(cand_parent, dim=1).cpu()
+    score = score.double() - _DEPTH_TIE_BREAK * torch.from_numpy(depth_of)  # [B, N]
     trees = []
     for b, (deepest, max_nodes) in enumerate(limits):
         allowed = depth_of <= deepest
-        s = score[b].masked_fill(~allowed, float("-inf"))
-        n = min(max_nodes, int(allowed.sum()))
-        chosen = s.topk(n).indices.sort().values.tolist()  # creation order: parents first
-        node_of = {c: i for i, c in enumerate(chosen)}
-        par = parents[b].tolist()
-        trees.append(DraftTree([int(tokens[b, c]) for c in chosen], [node_of.get(par[c], -1) for c in chosen]))
+        num_allowed = int(allowed.sum())
+        s = score[b] if num_allowed == len(depth_of) else score[b].masked_fill(~torch.from_numpy(allowed), float("-inf"))
+        chosen = np.sort(s.topk(min(max_nodes, num_allowed)).indices.numpy())  # creation order: parents first
+        node_of = {c: i for i, c in enumerate(chosen.tolist())}
+        trees.append(DraftTree(tokens[b, chosen].tolist(), [node_of.get(p, -1) for p in parents[b, chosen].tolist()]))
     return trees
 
 

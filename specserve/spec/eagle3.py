@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specserve.config import EngineConfig
@@ -84,6 +85,9 @@ class Eagle3Proposer(FeatureTreeProposer):
         self.v_rows = self.kv.cache.v.view(1, -1, *self.kv.cache.v.shape[-2:])
         self.block_size = bs
         self.times = DraftingTimes()
+        # (B, K, depths) -> the growth metadata that does not depend on positions (a few
+        # shapes per server: batch sizes up to max_num_seqs, depths up to the method's cap).
+        self._shapes: dict[tuple[int, int, int], _GrowthShape] = {}
 
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
@@ -104,8 +108,8 @@ class Eagle3Proposer(FeatureTreeProposer):
             self.kv.commit(row.request_id, row.last + 2)
         return DraftTreeProposal(trees)
 
-    def _rows_of(self, tables: torch.Tensor, slots: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
-        """Logical slots [N] of sequences seq [N] -> physical cache rows [N]."""
+    def _rows_of(self, tables: np.ndarray, slots: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Logical slots [..., N] of sequences seq [N] -> physical cache rows [..., N]."""
         bs = self.block_size
         return tables[seq, slots // bs] * bs + slots % bs
 
@@ -114,59 +118,111 @@ class Eagle3Proposer(FeatureTreeProposer):
     def _catch_up(self, rows: list[_Row], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over every row's new positions, causal -> output and logits at each L."""
         d = self.drafter
-        counts = [len(r.next_tokens) for r in rows]
-        q_start = torch.tensor([0] + counts).cumsum(0)
-        seq = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(counts))
-        positions = torch.cat([torch.arange(r.start, r.start + c) for r, c in zip(rows, counts)])
-        tokens = torch.tensor([t for r in rows for t in r.next_tokens], dtype=torch.long)
-        states = torch.cat([r.states for r in rows]).to(d.device, torch.float32)  # [N, 3 Ht]
-        p = DraftPass(positions, self._rows_of(tables, positions, seq), q_start, tables, self.block_size, positions + 1,
-                      torch.tensor([r.first for r in rows]))
-        out, logits = d.step(d.embed(tokens.to(d.device)), states, p, self.k_rows, self.v_rows)
-        ends = (q_start[1:] - 1).to(out.device)
-        return out[ends], logits[ends]
+        # The pass's metadata in numpy (a handful of tiny arrays: each torch op would cost more
+        # than its work), handed over without copies.
+        counts = np.fromiter((len(r.next_tokens) for r in rows), np.int64, len(rows))
+        ends = np.cumsum(counts)  # [B] one past each row's last entry
+        seq = np.repeat(np.arange(len(rows)), counts)  # [N]
+        starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+        positions = np.arange(ends[-1]) + (starts - (ends - counts))[seq]  # [N]
+        tokens = torch.tensor([t for r in rows for t in r.next_tokens] if len(rows) > 1 else rows[0].next_tokens,
+                              dtype=torch.long)
+        states = torch.cat([r.states for r in rows]) if len(rows) > 1 else rows[0].states  # [N, 3 Ht]
+        p = DraftPass(torch.from_numpy(positions), torch.from_numpy(self._rows_of(tables.numpy(), positions, seq)),
+                      torch.from_numpy(np.concatenate(([0], ends))), tables, self.block_size,
+                      torch.from_numpy(positions + 1),
+                      torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))))
+        out, logits = d.step(d.embed(tokens.to(d.device)), states.to(d.device, torch.float32), p, self.k_rows,
+                             self.v_rows)
+        if len(rows) == 1:
+            return out[-1:], logits[-1:]
+        ends_t = torch.from_numpy(ends - 1).to(out.device)
+        return out.index_select(0, ends_t), logits.index_select(0, ends_t)
 
     # ---- 2. and 3. growth and selection -------------------------------------------------------
 
     def _grow(self, rows: list[_Row], tables: torch.Tensor, roots: torch.Tensor, root_logits: torch.Tensor,
               depth: int) -> list[DraftTree]:
         d, k = self.drafter, self.topk
-        bsz = len(rows)
         cands = TreeCandidates(root_logits, k)
-        frontier_out = roots[:, None].expand(bsz, k, roots.shape[-1])  # [B, K, H] each parent's output
-        span = max(depth - 1, 0) * k  # tree slots after each row's context
-        frontier_anc = torch.zeros(bsz, k, max(span, 1), dtype=torch.uint8)  # expanded ancestors' tree slots
-        last = torch.tensor([r.last for r in rows])
-        seq = torch.arange(bsz).repeat_interleave(k)
-        q_start = torch.arange(0, bsz * k + 1, k)
-        kv_start = torch.tensor([r.first for r in rows])
-        offset = 0
-        for level in range(2, depth + 1):
-            t0 = time.perf_counter()
-            own = torch.arange(offset, offset + k)
-            anc = frontier_anc.clone()
-            anc[:, torch.arange(k), own] = 1
-            size = offset + k
-            positions = (last + level - 1).repeat_interleave(k)
-            slots = (last + 1).repeat_interleave(k) + own.repeat(bsz)
-            p = DraftPass(positions, self._rows_of(tables, slots, seq), q_start, tables, self.block_size,
-                          (last + 1).repeat_interleave(k), kv_start,
-                          tree_row=torch.arange(bsz * k) * size, tree_start=last + 1,
-                          tree_size=torch.full((bsz,), size), tree_mask=anc[:, :, :size].contiguous().view(-1))
-            ids = d.draft_ids[cands.frontier_tok.reshape(-1)]
-            out, logits = d.step(d.embed(ids), frontier_out.reshape(bsz * k, -1), p, self.k_rows, self.v_rows)
-            out = out.view(bsz, k, -1)
-            parent = cands.expand(level, logits.view(bsz, k, -1), last=level == depth)
-            offset += k
-            if parent is not None:
-                frontier_out = out.gather(1, parent[:, :, None].expand(bsz, k, out.shape[-1]))
-                frontier_anc = anc.gather(1, parent[:, :, None].expand(bsz, k, anc.shape[-1]))
-            self.times.depth_s += time.perf_counter() - t0
-            self.times.depth_passes += 1
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # the plan counts as growth time, spread over the depths
+        if depth > 1:
+            key = (len(rows), k, depth - 1)
+            shape = self._shapes.get(key) or self._shapes.setdefault(key, _GrowthShape.of(*key))
+            plan = _GrowthPlan.of(shape, rows, tables, self._rows_of)
+            frontier_out = roots.index_select(0, shape.seq.to(roots.device))  # [B * K, H] each parent's output
+            frontier_anc = shape.own[0]  # [B * K, span] expanded ancestors' tree slots, own slot set
+            for j in range(depth - 1):  # level j + 2
+                anc = frontier_anc if j == 0 else frontier_anc + shape.own[j]  # own slot free until now: + is |
+                p = DraftPass(plan.positions[j], plan.write_rows[j], shape.q_start, tables, self.block_size,
+                              plan.prefix_len, plan.kv_start, tree_row=shape.tree_row, tree_start=plan.tree_start,
+                              tree_size=shape.tree_size[j], tree_mask=anc.view(-1))
+                ids = d.draft_ids.index_select(0, cands.frontier_tok.view(-1))
+                out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
+                last = j == depth - 2
+                sel = cands.expand(j + 2, logits.view(len(rows), k, -1), last=last)
+                if not last:
+                    flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
+                    frontier_out = out.index_select(0, flat)
+                    frontier_anc = anc.index_select(0, flat.cpu())
+                t1 = time.perf_counter()
+                self.times.depth_s += t1 - t0
+                self.times.depth_passes += 1
+                t0 = t1
         trees = cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids)
         self.times.select_s += time.perf_counter() - t0
         return trees
+
+
+@dataclass(frozen=True, slots=True)
+class _GrowthShape:
+    """What every proposal of B requests growing `depths` depths of K nodes shares (no positions),
+    built once per (B, K, depths). n = B * K rows per pass, row b * K + i the frontier's i-th
+    node of request b; depth j writes tree slot j * K + i after the context; the ancestor mask
+    rows are `span` = depths * K bytes apart, of which the first tree_size[j] = (j + 1) * K are read."""
+
+    seq_np: np.ndarray  # [n] the request of each row
+    tree_slot: np.ndarray  # [depths, n] each row's tree slot at depth j
+    seq: torch.Tensor  # [n]
+    q_start: torch.Tensor  # [B + 1]
+    tree_row: torch.Tensor  # [n] byte offset of each row's ancestor mask
+    tree_size: torch.Tensor  # [depths, B]
+    own: torch.Tensor  # [depths, n, span] uint8: each row's own tree slot at depth j
+    parent_row: torch.Tensor  # [B, K * K] the row of child c's parent: b * K + c // K
+
+    @classmethod
+    def of(cls, bsz: int, k: int, depths: int) -> _GrowthShape:
+        n, span = bsz * k, depths * k
+        seq = np.repeat(np.arange(bsz), k)
+        level = np.arange(depths)[:, None]  # [depths, 1]
+        tree_slot = level * k + np.tile(np.arange(k), bsz)
+        own = np.zeros((depths, n, span), dtype=np.uint8)
+        own[level, np.arange(n), tree_slot] = 1
+        return cls(seq, tree_slot, torch.from_numpy(seq), torch.from_numpy(np.arange(0, n + 1, k)),
+                   torch.from_numpy(np.arange(n) * span), torch.from_numpy(np.repeat((level + 1) * k, bsz, axis=1)),
+                   torch.from_numpy(own), torch.from_numpy(np.arange(0, n, k)[:, None] + np.arange(k * k) // k))
+
+
+@dataclass(slots=True)
+class _GrowthPlan:
+    """The growth passes' metadata that depends on the rows' positions, for one proposal (depth
+    j's are row views): depth j (level j + 2) sits at position L + 1 + j and writes slot
+    L + 1 + tree_slot."""
+
+    positions: torch.Tensor  # [depths, n]
+    write_rows: torch.Tensor  # [depths, n] physical cache rows
+    prefix_len: torch.Tensor  # [n] the context: slots up to L
+    kv_start: torch.Tensor  # [B]
+    tree_start: torch.Tensor  # [B] L + 1
+
+    @classmethod
+    def of(cls, shape: _GrowthShape, rows: list[_Row], tables: torch.Tensor, rows_of) -> _GrowthPlan:
+        after = np.fromiter((r.last + 1 for r in rows), np.int64, len(rows))  # [B] each row's first tree slot
+        after_n = after[shape.seq_np]  # [n]
+        return cls(torch.from_numpy(after_n + np.arange(len(shape.tree_slot))[:, None]),
+                   torch.from_numpy(rows_of(tables.numpy(), after_n + shape.tree_slot, shape.seq_np)),
+                   torch.from_numpy(after_n), torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))),
+                   torch.from_numpy(after))
 
 
 def _build(options: EagleOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
