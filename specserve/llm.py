@@ -170,6 +170,9 @@ class LLM:
         params = [sampling_params] * len(encoded) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(encoded):
             raise InvalidParameterError("sampling_params", len(params), f"must be one, or one per prompt ({len(encoded)})")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise InvalidParameterError("sampling_params", type(p).__name__, "must be a SamplingParams")
         order: dict[str, tuple[int, int]] = {}  # engine request -> (prompt, choice)
         results: list[list[RequestOutput | None]] = [[None] * p.n for p in params]
         try:

@@ -198,6 +198,13 @@ def test_vllm_sampling_params_n_and_text_options(llm):
             SamplingParams(**kwargs)
 
 
+def test_sampling_params_of_another_type_are_named(llm):
+    with pytest.raises(InvalidParameterError, match="sampling_params"):
+        llm.generate([PROMPT], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(InvalidParameterError, match="sampling_params"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(), {"n": 2}], use_tqdm=False)
+
+
 def test_skip_special_tokens_reaches_the_requests_detokenizer(llm):
     """The detokenizer's own tests cover both settings; here the request's setting reaches it."""
     engine = llm.engine
