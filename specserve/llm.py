@@ -18,7 +18,7 @@ from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import DEFAULT_MAX_MODEL_LEN, LoadedModel, load_model, model_context
 from specserve.outputs import RequestOutput, SpecStats
 from specserve.sample.typical import TypicalAcceptance
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, choice_seed
 from specserve.spec.factory import build_proposer
 
 DEFAULT_MAX_NUM_SEQS = 4
@@ -201,13 +201,11 @@ class LLM:
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The engine request behind choice j of `params` (n choices): n=1, seeded seed + j (modulo
-    2**63) as the server seeds its choices, so that the n choices differ and each equals a single
-    request of that seed."""
+    """The engine request behind choice j of `params` (n choices): n=1, seeded as the server
+    seeds its choices (choice_seed)."""
     if params.n == 1:
         return params
-    seed = None if params.seed is None else (params.seed + j) % 2**63
-    return dataclasses.replace(params, n=1, best_of=None, seed=seed)
+    return dataclasses.replace(params, n=1, best_of=None, seed=choice_seed(params.seed, j))
 
 
 def merge_choices(outs: list[RequestOutput]) -> RequestOutput:

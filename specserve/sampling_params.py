@@ -40,7 +40,7 @@ class SamplingParams:
     alone: the token at sequence position t races the processed distribution against noise drawn
     from (seed, t) (sample/noise.py), so the same seed gives the same text with or without
     speculation, at any draft length and whatever else is batched. None: the engine draws a seed
-    for the request from its own RNG (seeded by the engine's `seed`). n choices of a server
+    for the request from its own RNG (seeded by the engine's `seed`). n choices (offline or in the server) of a
     request seeded s are seeded s + j for choice j (modulo 2**63), so choice j equals a single
     request with seed s + j.
     """
@@ -137,6 +137,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_SAMPLING_TEMPERATURE
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    """The seed of choice j of a request seeded `seed` (n choices, offline and in the server):
+    seed + j modulo 2**63, so that the choices differ and each equals one request of that seed."""
+    return None if seed is None else (seed + j) % 2**63
 
 
 def _check_number(name: str, value: object, kind: type) -> None:

@@ -57,6 +57,19 @@ def make_tiny_checkpoint(folder: Path, kind: str = "llama", *, vocab_size: int =
     return folder
 
 
+def edit_config(folder: Path, **changes) -> Path:
+    """Set (or, with None, remove) keys of the model folder's config.json -> the folder."""
+    path = folder / "config.json"
+    doc = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            doc.pop(key, None)
+        else:
+            doc[key] = value
+    path.write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    return folder
+
+
 def chi_square_pvalue(outcomes: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's test of observed outcome indices against probs; cells expecting < 5 are pooled.
     A single outcome of probability 0 gives p = 0."""

@@ -18,6 +18,7 @@ from specserve.spec.heads.eagle3_checkpoint import read_eagle3, write_eagle3
 from specserve.spec.heads.eagle3_config import DRAFT_IDS, OWN_EMBEDDING, default_aux_layers
 from tests.eagle3_layouts import (DRAFT_VOCAB, HIDDEN, LAYERS, VOCAB, target_config, write_eagle, write_json,
                                   write_specforge, write_speculators)
+from tests.helpers import edit_config
 
 TARGET = target_config()
 # The default aux layers (2, L // 2, L - 3) repeat a layer below 7 layers: checkpoints that name
@@ -48,17 +49,6 @@ def refused(folder: Path, *needles: str, target=TARGET) -> str:
     for needle in needles:
         assert needle in message, message
     return message
-
-
-def edit_config(folder: Path, **changes) -> None:
-    path = folder / "config.json"
-    doc = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            doc.pop(key, None)
-        else:
-            doc[key] = value
-    write_json(path, doc)
 
 
 def edit_tensors(folder: Path, change) -> None:

@@ -3,8 +3,6 @@ through a window is served only for contexts the window never cuts (where the tw
 refused beyond them with a message naming the window, never run with the window ignored. How
 each config spelling marks windowed layers follows transformers."""
 
-import json
-
 import pytest
 import torch
 
@@ -12,26 +10,14 @@ from specserve.errors import ModelLoadError
 from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
-from tests.helpers import make_tiny_checkpoint
-
-
-def with_config(folder, **changes):
-    path = folder / "config.json"
-    cfg = json.loads(path.read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    path.write_text(json.dumps(cfg))
-    return folder
+from tests.helpers import edit_config, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
     """A tiny Mistral whose every layer attends through a window of 8 positions."""
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("mistral") / "m", vocab_size=64)
-    return with_config(folder, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    return edit_config(folder, model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
 
 
 def test_a_window_shorter_than_the_context_is_refused_naming_it(mistral):
@@ -70,7 +56,7 @@ def test_within_the_window_output_equals_transformers_windowed_model(mistral):
 def test_which_qwen2_configs_have_windowed_layers(tmp_path, changes, windowed):
     import transformers
 
-    folder = with_config(make_tiny_checkpoint(tmp_path / "q", "qwen2", vocab_size=64), **changes)
+    folder = edit_config(make_tiny_checkpoint(tmp_path / "q", "qwen2", vocab_size=64), **changes)
     assert ("sliding_attention" in transformers.AutoConfig.from_pretrained(folder).layer_types) == windowed
     if windowed:
         with pytest.raises(ModelLoadError, match="sliding window of 8"):
@@ -81,7 +67,7 @@ def test_which_qwen2_configs_have_windowed_layers(tmp_path, changes, windowed):
 
 
 def test_llama_ignores_the_key_as_transformers_does(tmp_path):
-    folder = with_config(make_tiny_checkpoint(tmp_path / "l", vocab_size=64), sliding_window=8)
+    folder = edit_config(make_tiny_checkpoint(tmp_path / "l", vocab_size=64), sliding_window=8)
     assert load_model(folder).config.sliding_window is None
 
 
@@ -97,4 +83,4 @@ def test_malformed_window_fields_are_refused_naming_them(mistral, tmp_path, chan
     for f in mistral.iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
     with pytest.raises(ModelLoadError, match=f"invalid {field}="):
-        load_model(with_config(folder, **changes))
+        load_model(edit_config(folder, **changes))

@@ -26,7 +26,7 @@ from specserve.config import MAX_SPECULATIVE_TOKENS
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specserve.errors import InvalidParameterError, PromptError, SpecserveError
 from specserve.outputs import RequestOutput, SpecStats, TextPiece
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, choice_seed
 from specserve.server import render
 from specserve.server.errors import APIError, error_body
 from specserve.server.metrics import ServerMetrics
@@ -270,9 +270,9 @@ class OpenAIServing:
 
         def make(prompt_index: int, choice: int) -> SamplingParams:
             room = limit - len(prompts[prompt_index][0])
-            seed = None if req.seed is None else (req.seed + choice) % 2**63  # n choices must differ
             try:
-                params = SamplingParams(max_tokens=min(max_tokens or room, room), seed=seed, **base)
+                params = SamplingParams(max_tokens=min(max_tokens or room, room), seed=choice_seed(req.seed, choice),
+                                        **base)
                 self.engine.check_params(params)
             except InvalidParameterError as e:
                 raise APIError(400, str(e), e.param) from e

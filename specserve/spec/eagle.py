@@ -183,7 +183,7 @@ class EagleProposer(FeatureTreeProposer):
             meta = self.kv.metadata(tables, positions, slots, visible)
             g = d.heads(d.embed(d.vocab.ids[cands.frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
                         self.kv.cache)
-            sel = cands.expand(level, d.vocab(g), last=level == depth)
+            sel = cands.expand(d.vocab(g), last=level == depth)
             offset += k
             if sel is not None:
                 parent = sel // k  # [B, K] each next frontier node's parent in this frontier
@@ -206,12 +206,11 @@ class TreeCandidates:
         self.picked: list[torch.Tensor] = []  # per expanded depth but the last: the next frontier [B, K]
         self.frontier_tok, self.frontier_score = tok, lp  # [B, K] draft-vocabulary indices, scores
 
-    def expand(self, level: int, logits: torch.Tensor, last: bool) -> torch.Tensor | None:
-        """The frontier's logits [B, K, Vd] add each node's top k children (depth `level`, the
-        depth after the last one added). -> the next frontier [B, K] as indices among these
-        K * K children (child c is a child of the frontier's node c // K); None when `last`."""
+    def expand(self, logits: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """The frontier's logits [B, K, Vd] add each node's top k children (the depth after the
+        last one added). -> the next frontier [B, K] as indices among these K * K children
+        (child c is a child of the frontier's node c // K); None when `last`."""
         k, bsz = self.k, logits.shape[0]
-        assert level == len(self.tok) + 1
         # log_softmax before topk, not topk of the logits: two logits may round to one
         # log-probability, and such a tie must fall as the scores' top k says.
         clp, ctok = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, K, K]

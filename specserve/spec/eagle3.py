@@ -148,7 +148,9 @@ class Eagle3Proposer(FeatureTreeProposer):
         t0 = time.perf_counter()  # the plan counts as growth time, spread over the depths
         if depth > 1:
             key = (len(rows), k, depth - 1)
-            shape = self._shapes.get(key) or self._shapes.setdefault(key, _GrowthShape.of(*key))
+            shape = self._shapes.get(key)
+            if shape is None:
+                shape = self._shapes[key] = _GrowthShape.of(*key)
             plan = _GrowthPlan.of(shape, rows, tables, self._rows_of)
             frontier_out = roots.index_select(0, shape.seq.to(roots.device))  # [B * K, H] each parent's output
             frontier_anc = shape.own[0]  # [B * K, span] expanded ancestors' tree slots, own slot set
@@ -160,7 +162,7 @@ class Eagle3Proposer(FeatureTreeProposer):
                 ids = d.draft_ids.index_select(0, cands.frontier_tok.view(-1))
                 out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
                 last = j == depth - 2
-                sel = cands.expand(j + 2, logits.view(len(rows), k, -1), last=last)
+                sel = cands.expand(logits.view(len(rows), k, -1), last=last)
                 if not last:
                     flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
                     frontier_out = out.index_select(0, flat)
