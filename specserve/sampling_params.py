@@ -18,6 +18,10 @@ MAX_TOP_K = 1 << 24
 MAX_STOP = 16
 # Completions per prompt (n): the server's default cap on engine requests per HTTP request.
 MAX_N = 64
+# Tokens one request's logit_bias may name: it is applied at every scored position, so the
+# bound keeps that work (and the request) small. Values are bounded as OpenAI bounds them.
+MAX_LOGIT_BIAS = 4096
+LOGIT_BIAS_RANGE = 100.0
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one
 # overflows float32 to inf (1e-38 gave NaN probabilities and <|endoftext|> tokens), and long
 # before that the distribution is one-hot at the argmax anyway.
@@ -66,6 +70,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # token id -> value added to its logit at every position, before temperature and filters
+    # (OpenAI's logit_bias: -100 bans a token in practice, +100 all but forces it).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True  # control tokens' text left out of `text`
     include_stop_str_in_output: bool = False  # a stop string that ended the text stays in it
 
@@ -117,6 +124,8 @@ class SamplingParams:
             _check_number(name, value, float)
             if value != neutral:
                 raise InvalidParameterError(name, value, f"is not supported by specserve yet; only {neutral:g}")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, getattr(self, name), "must be true or false")
@@ -150,3 +159,16 @@ def _check_number(name: str, value: object, kind: type) -> None:
     ok = isinstance(value, (int, float)) if kind is float else isinstance(value, int)
     if isinstance(value, bool) or not ok:
         raise InvalidParameterError(name, value, f"must be a{'n integer' if kind is int else ' number'}")
+
+
+def _check_logit_bias(bias: object) -> None:
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidParameterError("logit_bias", bias if not isinstance(bias, dict) else f"{len(bias)} entries",
+                                    f"must map at most {MAX_LOGIT_BIAS} token ids to numbers in "
+                                    f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidParameterError("logit_bias", token, "keys must be token ids (integers >= 0)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise InvalidParameterError("logit_bias", {token: value},
+                                        f"values must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")

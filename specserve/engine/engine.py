@@ -24,6 +24,7 @@ from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import BONUS, CORRECTED, DRAFT, PLAIN, CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import PositionNoise, SamplingTensors, verify_flat
+from specserve.sample.processors import apply_processors, build_processors
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
 from specserve.spec.proposer import Proposer
@@ -187,10 +188,10 @@ class LLMEngine:
         if params.n != 1:
             raise InvalidParameterError("n", params.n, "must be 1 for one engine request (LLM.generate and the "
                                         "server make n requests, choice j seeded seed + j)")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise InvalidParameterError("stop_token_ids", bad[:5],
-                                        f"must be token ids in [0, {self.vocab_size}) (the vocabulary)")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", list(params.logit_bias or ()))):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidParameterError(name, bad[:5], f"must name token ids in [0, {self.vocab_size}) (the vocabulary)")
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, use_speculation: bool = True,
@@ -216,6 +217,7 @@ class LLMEngine:
             num_speculative_tokens=self._request_k(use_speculation, num_speculative_tokens),
             # Draft lengths chosen each step, unless the request asked for its own k.
             adaptive=self.planner is not None and use_speculation and num_speculative_tokens is None,
+            processors=build_processors(params.logit_bias, self.vocab_size),
         )
         if req.num_speculative_tokens:
             req.num_draft_nodes = self.proposer.num_draft_nodes(req.num_speculative_tokens)
@@ -319,6 +321,14 @@ class LLMEngine:
                           aux_layers=self.hidden_layers)
         fwd = self.runner.forward_rows(fb, [1 + t.num_nodes if s else 0 for s, t in zip(samples, trees)])
         rows = [i for i, s in enumerate(samples) if s]
+        raw: dict[int, torch.Tensor] = {}  # logprobs report the model's raw distribution
+        for i in rows:
+            if reqs[i].processors:  # rows [root, nodes...] rewritten as plain decoding would see them
+                lo = fwd.logit_start[i]
+                if reqs[i].params.logprobs is not None:
+                    raw[i] = fwd.logits[lo:lo + 1 + trees[i].num_nodes].clone()
+                apply_processors(reqs[i].processors, fwd.logits[lo:lo + 1 + trees[i].num_nodes], reqs[i].all_token_ids,
+                                 trees[i])
         paths: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
         # One argmax over the rows every sampling request has anyway (its root and nodes).
@@ -362,7 +372,8 @@ class LLMEngine:
             logits = None
             if i in emitted and r.params.logprobs is not None:
                 lo = fwd.logit_start[i]
-                logits = fwd.logits[[lo] + [lo + 1 + n for n in p]]  # row j scored committed token j
+                # row j scored committed token j
+                logits = raw[i][[0] + [1 + n for n in p]] if i in raw else fwd.logits[[lo] + [lo + 1 + n for n in p]]
             c = _Computed(emitted.get(i, []), logits, hidden, decode=s.decode, accepted_nodes=p,
                           num_draft=t.num_nodes, depth=t.max_depth, corrected=(p[-1] if p else -1) in t.parents)
             if argmax is not None and i in emitted:
@@ -417,6 +428,8 @@ class LLMEngine:
                 raise RuntimeError(f"proposer {self.proposer.name!r} drafted a tree of {tree.num_nodes} nodes and depth "
                                    f"{tree.max_depth} for request {sr.request_id!r}, which may have {sr.max_nodes} nodes "
                                    f"and depth {sr.num_speculative_tokens}")
+            for proc in scheduled[i].request.processors:  # e.g. a grammar cuts drafts it rejects
+                tree = proc.prune(tree, scheduled[i].request.all_token_ids)
             trees[i] = tree
         return trees, max(depths[i] for i in rows)
 
@@ -454,6 +467,8 @@ class LLMEngine:
             committed.append(tok)
             if r.append_token(tok, self.config.max_model_len, DRAFT if j < accepted else last):
                 break
+        for p in r.processors:
+            p.commit(committed)
         if c.logits is not None:  # row j scored committed[j]
             r.logprobs.extend(token_logprobs(c.logits, committed, r.params.logprobs))
         if c.hidden is not None and r.num_speculative_tokens:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from specserve.outputs import PLAIN, RequestMetrics, SpecStats, TextPiece, TokenLogprob
 from specserve.sample.noise import PositionNoise
+from specserve.sample.processors import LogitsProcessor
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -44,6 +45,9 @@ class Request:
     # plus room to grow), so that slots it will not draft into stay in the step's token budget
     # and the pool. None: every slot max_drafts allows.
     draft_reserve: int | None = None
+    # Rules applied to its target logits at every scored position (sample/processors.py):
+    # logit_bias, penalties, grammars; empty for most requests.
+    processors: list[LogitsProcessor] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING

@@ -29,11 +29,12 @@ The contract, per request, in the order the engine keeps:
     request may reach `propose` before any hidden state (its whole prompt but the last token
     came from the prefix cache, so its first computation is a decode step): draft nothing then.
   - Node predictions, only for proposers with `needs_node_predictions = True` (lookahead):
-    every `VerifyFeedback` then carries `node_predictions[b]` = the target's argmax of its raw
-    logits at the root and at every node of the tree it verified for request b, 1 + num_draft
-    ints (root first, then nodes in proposal order; [root] alone after a step without drafts).
-    A node's prediction is the target's greedy next token after the node's path, whatever the
-    request's sampling: what a Jacobi iteration needs, computed from logits the step has anyway.
+    every `VerifyFeedback` then carries `node_predictions[b]` = the target's argmax of its
+    logits (after the request's logits processors: logit_bias, penalties, a grammar) at the root
+    and at every node of the tree it verified for request b, 1 + num_draft ints (root first,
+    then nodes in proposal order; [root] alone after a step without drafts; a processor may
+    have pruned the proposed tree). A node's prediction is the target's greedy next token after
+    the node's path, whatever the request's sampling: what a Jacobi iteration needs, computed from logits the step has anyway.
   - `remove_request` when a request finishes, is aborted or is preempted; a preempted request
     comes back later with a fresh prefill (and fresh `observe_hidden` calls from its start).
 """
