@@ -16,6 +16,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 
 from specserve.config import MAX_SPECULATIVE_TOKENS
 from specserve.sampling_params import MAX_LOGPROBS, MAX_STOP, MAX_TOP_K
+from specserve.server.tool_protocol import (MAX_TOOLS, TOOL_CHOICE_RULES, MessageToolCall, ToolCallDelta, ToolCallOut,
+                                            ToolChoice, ToolDefinition)
 
 MAX_N = 16  # choices per request; each is its own engine request
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -129,9 +131,13 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null: an assistant turn that only calls tools (as OpenAI sends it); empty text elsewhere
+    content: Text | Annotated[list[TextPart], Field(min_length=1)] | None
     name: StrictStr | None = Field(None, max_length=256)
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="an assistant turn's calls")
+    tool_call_id: StrictStr | None = Field(None, max_length=256, description="a tool turn: the call it answers")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -140,10 +146,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxNewTokens | None = Field(None, description="default: the rest of the context")
     logprobs: StrictBool = False
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = Field(None, description="needs logprobs=true")
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without; required "
+                                                             "and a named function need tools and structured output")
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call; default true")
 
     # The schema says what serving.py answers 400: top_logprobs without logprobs=true, where
-    # logprobs may be absent (false by default), so it cannot be one of _forbids' required fields.
-    model_config = ConfigDict(json_schema_extra={"not": {
+    # logprobs may be absent (false by default), so it cannot be one of _forbids' required fields;
+    # and the tool_choice values this build cannot force (TOOL_CHOICE_RULES).
+    model_config = ConfigDict(json_schema_extra={"allOf": TOOL_CHOICE_RULES, "not": {
         "required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}},
         "not": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}}})
 
@@ -157,6 +168,8 @@ class TokenizeRequest(_Strict):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)] | None = None
     add_special_tokens: StrictBool = Field(True, description="prompt: the BOS token the model adds, if any")
     add_generation_prompt: StrictBool = Field(True, description="messages: end with the assistant turn's header")
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="messages: offered to the model as /v1/chat/completions offers them")
 
 
 class DetokenizeRequest(_Strict):
@@ -234,6 +247,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -256,6 +270,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

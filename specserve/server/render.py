@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from specserve.outputs import RequestOutput, SpecStats, TextPiece, TokenLogprob
+from specserve.server import tools
 from specserve.server.protocol import ChatCompletionResponse, CompletionResponse, SpecUsage, Usage
 from specserve.tokenizer import Tokenizer
 
@@ -44,9 +45,12 @@ class Renderer:
         choices = []
         for c in job.choices:
             o = c.last.outputs[0]
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": o.text},
+            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+            if job.tools is not None:
+                message, finish = tools.reply_message(job.tools, o.text, finish)
+            choices.append({"index": c.index, "message": message,
                             "logprobs": None if o.logprobs is None else {"content": self.chat_logprobs(o.logprobs)},
-                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                            "finish_reason": finish, "stop_reason": o.stop_reason})
         body = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                       usage=self.usage(job)).model_dump()
         return self._with_provenance(job, body)
@@ -88,9 +92,14 @@ class Renderer:
 
     def chat_chunk(self, job, c, out: RequestOutput, first: bool) -> dict:
         o = out.outputs[0]
-        delta: dict = {"role": "assistant", "content": out.new_text} if first else {"content": out.new_text}
-        choice = {"index": c.index, "delta": delta, "logprobs": None,
-                  "finish_reason": o.finish_reason if out.finished else None}
+        delta: dict = {"role": "assistant"} if first else {}
+        finish = o.finish_reason if out.finished else None
+        if c.tool_parser is None:
+            delta["content"] = out.new_text
+        else:
+            calls, finish = tools.stream_delta(c.tool_parser, out.new_text, finish)
+            delta |= calls
+        choice = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
         if o.logprobs is not None:
             choice["logprobs"] = {"content": self.chat_logprobs(o.logprobs[c.logprobs_sent:])}
             c.logprobs_sent = len(o.logprobs)

@@ -32,9 +32,11 @@ from specserve.server.errors import APIError, error_body
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                                        TokenizeRequest, TokenizeResponse)
+from specserve.server.tools import ToolPolicy, forcing_fields, offered_tools, tool_policy
 from specserve.tokenizer import Tokenizer
 from specserve.tokenizer.chat import RenderBounds, TemplateBoundsError
 from specserve.tokenizer.render_worker import RenderWorker
+from specserve.tokenizer.tool_calls import ToolCallParser
 
 logger = logging.getLogger("specserve.server")
 
@@ -78,6 +80,7 @@ class Choice:
     logprobs_sent: int = 0
     # Jobs asking for provenance without streaming: the text's pieces, gathered from every output.
     pieces: list[TextPiece] = field(default_factory=list)
+    tool_parser: ToolCallParser | None = None  # a request with tools: this choice's reply read for calls
 
     @property
     def finish_reason(self) -> str:
@@ -103,6 +106,7 @@ class Job:
     prompts: list[tuple[list[int], str | None]]
     chunk_object: str  # the "object" of its stream chunks
     provenance: bool = False  # choices carry token provenance and speculation figures (an extension)
+    tools: ToolPolicy | None = None  # how replies are read for tool calls; None: they are content
     choices: list[Choice] = field(default_factory=list)
     # (choice, its next output or the exception that ended its stream), from the followers;
     # None once the client has gone away.
@@ -148,13 +152,16 @@ class OpenAIServing:
         model = self.model_name(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        forcing = forcing_fields(req)
         text, ids = await self._chat_prompt(req, add_generation_prompt=True)
-        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk", req.provenance)
+        job = Job(f"chatcmpl-{uuid.uuid4().hex}", model, [(ids, text)], "chat.completion.chunk", req.provenance,
+                  tools=tool_policy(req))
         # max_completion_tokens wins over the deprecated max_tokens (as in OpenAI and vLLM); each
         # one sent must still fit the context.
         asked = {name: value for name, value in (("max_completion_tokens", req.max_completion_tokens),
                                                  ("max_tokens", req.max_tokens)) if value is not None}
-        params = self._params(req, job.prompts, asked, None, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        params = self._params(req, job.prompts, asked, None, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                              extra=forcing)
         self._submit(job, req, params)
         if req.stream:
             return self._stream(job, raw, lambda c, out, first: self.render.chat_chunk(job, c, out, first),
@@ -188,7 +195,8 @@ class OpenAIServing:
             # others meanwhile (a 2 MB conversation takes ~1 s to encode).
             return await asyncio.to_thread(
                 self.tokenizer.chat_prompt, chat_messages(req), add_generation_prompt=add_generation_prompt,
-                plain_content=not self.config.special_tokens_in_content, renderer=self.chat_renderer.render)
+                plain_content=not self.config.special_tokens_in_content, renderer=self.chat_renderer.render,
+                tools=offered_tools(req))
         except TemplateBoundsError as e:  # the model's template, not the messages, is at fault
             raise APIError(500, str(e), "messages", "chat_template_error") from e
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
@@ -229,11 +237,11 @@ class OpenAIServing:
         return out
 
     def _params(self, req, prompts, asked: dict[str, int], default_max: int | None,
-                logprobs: int | None) -> Callable[[int, int], SamplingParams]:
+                logprobs: int | None, extra: dict | None = None) -> Callable[[int, int], SamplingParams]:
         """Checks the request against the context and the per-request cap, and returns params
         for (prompt, choice). `asked`: the new-token limits the client sent, by field name (the
         first one counts; each must fit); `default_max`: the limit when it sent none (None: the
-        rest of the context), cut to the context left."""
+        rest of the context), cut to the context left; `extra`: more SamplingParams fields."""
         cap = self.config.max_request_choices
         if len(prompts) * req.n > cap:
             raise APIError(400, f"this request asks for {len(prompts)} prompt(s) x n={req.n} = {len(prompts) * req.n} "
@@ -266,7 +274,7 @@ class OpenAIServing:
         base = dict(temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                     min_p=req.min_p or 0.0, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-                    ignore_eos=req.ignore_eos, logprobs=logprobs)
+                    ignore_eos=req.ignore_eos, logprobs=logprobs) | (extra or {})
 
         def make(prompt_index: int, choice: int) -> SamplingParams:
             room = limit - len(prompts[prompt_index][0])
@@ -289,7 +297,8 @@ class OpenAIServing:
                     handle = self.engine.submit(f"{job.request_id}-{index}", ids, params(p, j), text,
                                                 use_speculation=req.speculative,
                                                 num_speculative_tokens=req.num_speculative_tokens)
-                    job.choices.append(self._follow(job, Choice(index, p, handle)))
+                    parser = job.tools.parser() if job.tools is not None else None
+                    job.choices.append(self._follow(job, Choice(index, p, handle, tool_parser=parser)))
         except BaseException as e:
             self._abort_unfinished(job)
             if isinstance(e, QueueFullError):
@@ -415,10 +424,19 @@ class OpenAIServing:
 
 def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     """The request's messages as the chat template takes them: OpenAI's "developer" role is the
-    system role, and a content of text parts is their text."""
-    return [{"role": "system" if m.role == "developer" else m.role,
-             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
-            for m in req.messages]
+    system role, a content of text parts is their text, a null content is empty text except in
+    an assistant turn that calls tools, and calls and call ids come along."""
+    out = []
+    for m in req.messages:
+        content = m.content if m.content is None or isinstance(m.content, str) else "".join(p.text for p in m.content)
+        message = {"role": "system" if m.role == "developer" else m.role,
+                   "content": "" if content is None and not m.tool_calls else content}
+        if m.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -152,15 +152,17 @@ class ChatTemplate:
             raise ModelLoadError(f"the model's chat template is not valid Jinja (line {e.lineno}): {e.message}") from e
         object.__setattr__(self, "_compiled", compiled)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text; `tools`: the template's `tools` variable (tool_prompt.prompt_messages)."""
         messages = validate_messages(messages)
         limit = self.bounds.max_output_chars
         try:
             # Streamed piece by piece (render() would join them at once), so a template that
             # writes without end is stopped at the limit rather than at the end of memory.
-            # tools/documents are passed as None, not left undefined: templates test `tools is not none`.
+            # tools/documents are passed as None when absent, not left undefined: templates test
+            # `tools is not none`.
             parts, size = [], 0
-            for part in self._compiled.generate(messages=messages, tools=None, documents=None,
+            for part in self._compiled.generate(messages=messages, tools=tools, documents=None,
                                                 add_generation_prompt=add_generation_prompt, **self.special_tokens):
                 size += len(part)
                 if size > limit:

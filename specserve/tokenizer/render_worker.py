@@ -67,11 +67,12 @@ class RenderWorker:
             proc.kill()
             proc.wait()
 
-    def render(self, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """template.render(messages, add_generation_prompt), with the same errors, run in the child;
-        TemplateBoundsError when it takes longer than bounds.time_s or the child dies."""
+    def render(self, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """template.render(messages, add_generation_prompt, tools), with the same errors, run in the
+        child; TemplateBoundsError when it takes longer than bounds.time_s or the child dies."""
         request = json.dumps({"source": template.source, "special_tokens": dict(template.special_tokens),
-                              "messages": messages, "add_generation_prompt": add_generation_prompt},
+                              "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools},
                              ensure_ascii=False).encode()
         with self._lock:
             if self._closed:
@@ -177,7 +178,8 @@ def _reply(templates: dict[tuple, ChatTemplate], bounds: RenderBounds, frame: by
             if len(templates) >= _CACHED_TEMPLATES:
                 templates.clear()
             templates[key] = ChatTemplate(request["source"], request["special_tokens"], bounds)
-        return {"text": templates[key].render(request["messages"], request["add_generation_prompt"])}
+        return {"text": templates[key].render(request["messages"], request["add_generation_prompt"],
+                                                      request["tools"])}
     except TemplateBoundsError as e:
         return {"error": "bounds", "message": str(e)}
     except MemoryError:

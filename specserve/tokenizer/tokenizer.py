@@ -24,13 +24,15 @@ from tokenizers import Tokenizer as HFTokenizer
 from specserve.errors import ModelLoadError, PromptError
 from specserve.tokenizer.chat import CHATML_TEMPLATE, ChatTemplate, validate_messages
 from specserve.tokenizer.gguf_vocab import read_gguf_tokenizer
+from specserve.tokenizer.tool_prompt import prompt_messages
 
 # The special-token names transformers hands to chat templates as variables.
 _TEMPLATE_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # Renders a chat template: ChatTemplate.render in this process, or the server's worker process
 # (render_worker.RenderWorker.render), which adds a time limit.
-Renderer = Callable[[ChatTemplate, list[dict], bool], str]
+# Called as renderer(template, messages, add_generation_prompt, tools).
+Renderer = Callable[[ChatTemplate, list[dict], bool, list[dict] | None], str]
 
 
 @dataclass(frozen=True)
@@ -144,30 +146,40 @@ class Tokenizer:
     # ---- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            renderer: Renderer = ChatTemplate.render) -> str:
-        """Render OpenAI-style messages with the model's template (ChatML if it has none)."""
-        return renderer(self._chat, validate_messages(messages), add_generation_prompt)
+                            renderer: Renderer = ChatTemplate.render, tools: list[dict] | None = None) -> str:
+        """Render OpenAI-style messages with the model's template (ChatML if it has none); `tools`
+        as tool_prompt.prompt_messages offers them."""
+        messages, tools = prompt_messages(validate_messages(messages), tools, self._chat.source)
+        return renderer(self._chat, messages, add_generation_prompt, tools)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, *, plain_content: bool = False,
-                    renderer: Renderer = ChatTemplate.render) -> list[int]:
-        return self.chat_prompt(messages, add_generation_prompt, plain_content=plain_content, renderer=renderer)[1]
+                    renderer: Renderer = ChatTemplate.render, tools: list[dict] | None = None) -> list[int]:
+        return self.chat_prompt(messages, add_generation_prompt, plain_content=plain_content, renderer=renderer,
+                                tools=tools)[1]
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, *, plain_content: bool = False,
-                    renderer: Renderer = ChatTemplate.render) -> tuple[str, list[int]]:
+                    renderer: Renderer = ChatTemplate.render,
+                    tools: list[dict] | None = None) -> tuple[str, list[int]]:
         """The rendered chat prompt and its token ids.
 
         plain_content: control-token text inside message content is encoded as plain text, so
         only the template's own markers become control tokens (off: as transformers does).
+        tools: offered to the model as tool_prompt.prompt_messages says; with plain_content, a
+        template that takes them as its variable may not be given control-token text in them or
+        in past calls (where it lands in the prompt is unknown), while the Hermes format puts
+        them into message content, which is encoded as plain text.
         """
-        messages = validate_messages(messages)
-        text = renderer(self._chat, messages, add_generation_prompt)
+        messages, tools = prompt_messages(validate_messages(messages), tools, self._chat.source)
+        if plain_content:
+            self._refuse_control_text_in_tools(messages, tools)
+        text = renderer(self._chat, messages, add_generation_prompt, tools)
         # Templates such as Llama 3's write the BOS text themselves; adding BOS again would double it.
         bos = self.special_tokens.get("bos_token")
         add_bos = not (bos and text.startswith(bos))
         forging = [i for i, m in enumerate(messages) if plain_content and self._has_control_text(m["content"])]
         if not forging:
             return text, self.encode(text, add_special_tokens=add_bos)
-        pieces = self._content_pieces(messages, forging, text, renderer, add_generation_prompt)
+        pieces = self._content_pieces(messages, forging, text, renderer, add_generation_prompt, tools)
         ids = [self.bos_token_id] if add_bos and self.add_bos and self.bos_token_id is not None else []
         for k, piece in enumerate(pieces):  # even: the template's text; odd: a message's content
             backend = self._plain_backend if k % 2 else self.backend
@@ -178,8 +190,16 @@ class Tokenizer:
     def _has_control_text(self, content: str | None) -> bool:
         return bool(content) and any(t in content for t in self._control_texts)
 
+    def _refuse_control_text_in_tools(self, messages: list[dict], tools: list[dict] | None) -> None:
+        if tools and self._has_control_text(json.dumps(tools, ensure_ascii=False)):
+            raise PromptError("tools hold control-token text (such as the model's end-of-turn marker); remove it")
+        for i, m in enumerate(messages):
+            if m.get("tool_calls") and self._has_control_text(json.dumps(m["tool_calls"], ensure_ascii=False)):
+                raise PromptError(f"messages[{i}].tool_calls hold control-token text (such as the model's "
+                                  "end-of-turn marker); remove it")
+
     def _content_pieces(self, messages: list[dict], forging: list[int], text: str, renderer: Renderer,
-                        add_generation_prompt: bool) -> list[str]:
+                        add_generation_prompt: bool, tools: list[dict] | None) -> list[str]:
         """`text` cut into template text and the content of the messages in `forging`, alternately.
 
         The template renders again with those contents between markers it cannot produce (a
@@ -197,7 +217,7 @@ class Tokenizer:
             core = content.strip()
             start = len(content) - len(content.lstrip())
             marked[i]["content"] = content[:start] + opening + core + closing + content[start + len(core):]
-        marked_text = renderer(self._chat, marked, add_generation_prompt)
+        marked_text = renderer(self._chat, marked, add_generation_prompt, tools)
         pieces = re.split(f"{re.escape(opening)}(.*?){re.escape(closing)}", marked_text, flags=re.DOTALL)
         if "".join(pieces) != text:
             raise PromptError(f"messages[{forging[0]}].content holds control-token text, and the model's chat "
