@@ -88,7 +88,7 @@ CASES = [
     (CHAT, {"messages": MSG, "top_logprobs": 3}, "top_logprobs", ["logprobs=true"]),
     (CHAT, {"messages": MSG, "top_logprobs": 99, "logprobs": True}, "top_logprobs", ["less than or equal to 20"]),
     (CHAT, {"messages": MSG, "stream_options": {"include_usage": 1}}, "stream_options.include_usage", []),
-    (CHAT, {"messages": MSG, "tools": [{"type": "function"}]}, "tools", ["not supported by specserve yet"]),
+    (CHAT, {"messages": MSG, "functions": [{"name": "f"}]}, "functions", ["not supported by specserve yet"]),
 ]
 
 

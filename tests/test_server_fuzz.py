@@ -19,6 +19,7 @@ from schemathesis.checks import CHECKS, load_all_checks
 from specserve.llm import LLM
 from specserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from specserve.server.serving import chat_messages
+from specserve.server.tools import offered_tools
 from tests.server_helpers import RunningServer
 
 MAX_MODEL_LEN = 48  # small, so the longest generation the fuzzer can ask for is short
@@ -61,7 +62,8 @@ def fits_context(server, path: str, body) -> bool:
         asked = [req.max_tokens] if "max_tokens" in req.model_fields_set and req.max_tokens else []
     else:
         req = ChatCompletionRequest.model_validate(body)
-        lengths = [len(llm.tokenizer.encode_chat(chat_messages(req), add_generation_prompt=True))]
+        lengths = [len(llm.tokenizer.encode_chat(chat_messages(req), add_generation_prompt=True,
+                                                 tools=offered_tools(req)))]
         asked = [m for m in (req.max_completion_tokens, req.max_tokens) if m is not None]
     if len(lengths) * req.n > server.config.max_request_choices:
         return False

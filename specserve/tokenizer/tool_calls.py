@@ -9,7 +9,8 @@ constrained to a call's JSON schema has none.
 Only functions the request offered count, and only blocks whose JSON parses: anything else stays
 content, so no generated text can fail a request. One parser serves whole replies and streams
 (a whole reply is one piece), so a streamed reply splits into exactly the content and calls of
-the same reply answered whole. Whitespace between content and a call belongs to neither.
+the same reply answered whole. Whitespace next to a call belongs to no content, except that
+content before a call and content after it stay apart by the whitespace that followed the call.
 """
 
 from __future__ import annotations
@@ -78,11 +79,12 @@ class ToolCallParser:
         self.names = names
         self.parallel = parallel
         self.num_calls = 0  # calls returned so far (the next call's index in a stream)
+        self._calls_seen = 0  # calls read, those parallel=False drops included
+        self._content_seen = False  # some content went out
         self._mode = "start"  # start: only whitespace so far; json: a bare object may follow; text
         self._buffer = ""  # undecided text
         self._inside = False  # the buffer begins with OPEN
-        self._space = ""  # whitespace ending the content so far
-        self._after_call = False  # whitespace that follows a call is dropped
+        self._space = ""  # whitespace ending the content so far (dropped if a call follows)
 
     def feed(self, text: str) -> Piece:
         piece = Piece()
@@ -112,7 +114,8 @@ class ToolCallParser:
         else:
             self._text(self._buffer, piece)
         self._buffer, self._inside = "", False
-        piece.content += self._space
+        if not self._calls_seen:
+            piece.content += self._space
         self._space = ""
         return piece
 
@@ -139,18 +142,18 @@ class ToolCallParser:
                 self._text(block, piece)
 
     def _text(self, text: str, piece: Piece) -> None:
-        if self._after_call:
+        if self._calls_seen and not self._content_seen:
             text = text.lstrip()
-            if not text:
-                return
-            self._after_call = False
         text = self._space + text
         core = text.rstrip()
         self._space = text[len(core):]
-        piece.content += core
+        if core:
+            piece.content += core
+            self._content_seen = True
 
     def _call(self, call: ToolCall, piece: Piece) -> None:
-        self._space, self._after_call = "", True
+        self._space = ""
+        self._calls_seen += 1
         if self.parallel or self.num_calls == 0:
             piece.calls.append(call)
             self.num_calls += 1
