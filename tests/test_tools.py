@@ -363,11 +363,13 @@ def post(server, body) -> httpx.Response:
     ({"tool_choice": "required"}, "needs tools to call"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function"}]}, "missing required parameter 'tools.0.function'"),
+    ({"messages": [{"role": "user", "content": None, "tool_calls": HISTORY[1]["tool_calls"]}]},
+     "only an assistant turn calls tools"),
 ])
 def test_tool_choice_and_tools_that_cannot_be_served_are_400(caller, body, words):
     r = post(caller, {"messages": GO, "max_tokens": 4} | body)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
-    assert r.json()["error"]["param"].startswith(("tool_choice", "tools"))
+    assert r.json()["error"]["param"].startswith(("tool_choice", "tools", "messages.0.tool_calls"))
 
 
 @pytest.mark.parametrize("choice,accepted", [("auto", True), ("none", True), ("required", False),

@@ -139,6 +139,10 @@ class ChatMessage(_Strict):
         None, description="an assistant turn's calls")
     tool_call_id: StrictStr | None = Field(None, max_length=256, description="a tool turn: the call it answers")
 
+    # The schema says what serving.py answers 400: calls in a turn other than the assistant's.
+    model_config = ConfigDict(json_schema_extra={"not": {"required": ["tool_calls"], "properties": {
+        "role": {"not": {"const": "assistant"}}, "tool_calls": {"type": "array", "minItems": 1}}}})
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]

@@ -190,13 +190,14 @@ class OpenAIServing:
     async def _chat_prompt(self, req: ChatCompletionRequest | TokenizeRequest,
                            add_generation_prompt: bool) -> tuple[str, list[int]]:
         """The request's messages rendered by the model's template -> (text, token ids)."""
+        messages, tools = chat_messages(req), offered_tools(req)
         try:
             # Rendered in the worker process and encoded in a thread, so the event loop serves
             # others meanwhile (a 2 MB conversation takes ~1 s to encode).
             return await asyncio.to_thread(
-                self.tokenizer.chat_prompt, chat_messages(req), add_generation_prompt=add_generation_prompt,
+                self.tokenizer.chat_prompt, messages, add_generation_prompt=add_generation_prompt,
                 plain_content=not self.config.special_tokens_in_content, renderer=self.chat_renderer.render,
-                tools=offered_tools(req))
+                tools=tools)
         except TemplateBoundsError as e:  # the model's template, not the messages, is at fault
             raise APIError(500, str(e), "messages", "chat_template_error") from e
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
@@ -427,7 +428,10 @@ def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
     system role, a content of text parts is their text, a null content is empty text except in
     an assistant turn that calls tools, and calls and call ids come along."""
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages[{i}] has role {m.role!r} and tool_calls; only an assistant turn calls "
+                                "tools", f"messages.{i}.tool_calls")
         content = m.content if m.content is None or isinstance(m.content, str) else "".join(p.text for p in m.content)
         message = {"role": "system" if m.role == "developer" else m.role,
                    "content": "" if content is None and not m.tool_calls else content}

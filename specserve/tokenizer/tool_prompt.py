@@ -82,8 +82,8 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
                 out.append({"role": "user", "content": response, "tool_responses": True})
         elif m["role"] == "assistant" and m.get("tool_calls"):
             out.append({"role": "assistant", "content": _call_blocks(m)})
-        else:
-            out.append({"role": m["role"], "content": m["content"]})
+        else:  # calls in a turn other than the assistant's have no place in the format
+            out.append({"role": m["role"], "content": m["content"] if m["content"] is not None else ""})
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
