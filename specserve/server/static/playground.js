@@ -113,6 +113,131 @@ async function streamAnswer(messages, speculative, column, signal, onChunk) {
   return run;
 }
 
+// ---- markdown ---------------------------------------------------------------------------------
+// A small renderer for what chat models write: code fences, inline code, bold and italic,
+// headings, lists, quotes, rules and links. It builds DOM nodes whose text is set with
+// textContent, never HTML, so the model's text cannot inject markup; links keep only the
+// http, https and mailto schemes (anything else stays text).
+
+const SAFE_SCHEMES = new Set(["http:", "https:", "mailto:"]);
+
+function safeHref(url) {
+  try {
+    const parsed = new URL(url);
+    return SAFE_SCHEMES.has(parsed.protocol) ? parsed.href : null;
+  } catch (_) {
+    return null; // relative or malformed: not a link
+  }
+}
+
+// Inline spans: `code`, **bold**, __bold__, *italic*, _italic_, [text](url).
+const INLINE = /(`+)([^`][\s\S]*?)\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|__(?=\S)([\s\S]*?\S)__|\*(?=[^\s*])([\s\S]*?[^\s*])\*|(?<![\w])_(?=[^\s_])([\s\S]*?[^\s_])_(?![\w])|\[([^\]\n]+)\]\(([^()\s]+)\)/g;
+
+function inlineNodes(text) {
+  const nodes = [];
+  let last = 0;
+  for (const m of text.matchAll(INLINE)) {
+    if (m.index > last) nodes.push(document.createTextNode(text.slice(last, m.index)));
+    last = m.index + m[0].length;
+    if (m[1]) {
+      nodes.push(element("code", "", m[2].trim() || m[2]));
+    } else if (m[3] !== undefined || m[4] !== undefined) {
+      const strong = document.createElement("strong");
+      strong.append(...inlineNodes(m[3] ?? m[4]));
+      nodes.push(strong);
+    } else if (m[5] !== undefined || m[6] !== undefined) {
+      const em = document.createElement("em");
+      em.append(...inlineNodes(m[5] ?? m[6]));
+      nodes.push(em);
+    } else {
+      const href = safeHref(m[8]);
+      if (href === null) {
+        nodes.push(document.createTextNode(m[0]));
+        continue;
+      }
+      const a = document.createElement("a");
+      a.href = href;
+      a.rel = "noopener noreferrer";
+      a.target = "_blank";
+      a.append(...inlineNodes(m[7]));
+      nodes.push(a);
+    }
+  }
+  if (last < text.length) nodes.push(document.createTextNode(text.slice(last)));
+  return nodes;
+}
+
+// Lines joined by line breaks: a model's single newlines are meant.
+function lineNodes(lines) {
+  return lines.flatMap((line, i) => (i ? [document.createElement("br")] : []).concat(inlineNodes(line)));
+}
+
+const FENCE = /^\s*(```|~~~)\s*([\w+#.-]*)\s*$/;
+const HEADING = /^(#{1,6})\s+(.*?)\s*#*\s*$/;
+const BULLET = /^\s*[-*+]\s+(.*)$/;
+const NUMBERED = /^\s*(\d{1,9})[.)]\s+(.*)$/;
+const QUOTE = /^\s*>\s?(.*)$/;
+const RULE = /^\s*([-*_])(\s*\1){2,}\s*$/;
+
+// Markdown text -> a DocumentFragment of safe nodes.
+function renderMarkdown(text) {
+  const out = document.createDocumentFragment();
+  const lines = text.replaceAll("\r\n", "\n").split("\n");
+  let i = 0;
+  while (i < lines.length) {
+    const line = lines[i];
+    let m;
+    if ((m = line.match(FENCE))) { // a code block, to its closing fence or the end (still streaming)
+      const body = [];
+      for (i++; i < lines.length && !(lines[i].trim().startsWith(m[1]) && lines[i].trim() === m[1]); i++) {
+        body.push(lines[i]);
+      }
+      i++;
+      const pre = document.createElement("pre");
+      const code = element("code", m[2] ? "language-" + m[2] : "", body.join("\n"));
+      pre.append(code);
+      out.append(pre);
+    } else if (!line.trim()) {
+      i++;
+    } else if ((m = line.match(HEADING))) {
+      const heading = document.createElement("h" + Math.min(6, m[1].length + 2)); // h3..h6: inside an answer
+      heading.append(...inlineNodes(m[2]));
+      out.append(heading);
+      i++;
+    } else if (RULE.test(line)) {
+      out.append(document.createElement("hr"));
+      i++;
+    } else if (BULLET.test(line) || NUMBERED.test(line)) {
+      const numbered = !BULLET.test(line);
+      const pattern = numbered ? NUMBERED : BULLET;
+      const list = document.createElement(numbered ? "ol" : "ul");
+      if (numbered && Number(line.match(NUMBERED)[1]) !== 1) list.start = Number(line.match(NUMBERED)[1]);
+      for (; i < lines.length && (m = lines[i].match(pattern)); i++) {
+        const item = document.createElement("li");
+        item.append(...inlineNodes(m[numbered ? 2 : 1]));
+        list.append(item);
+      }
+      out.append(list);
+    } else if (QUOTE.test(line)) {
+      const quoted = [];
+      for (; i < lines.length && (m = lines[i].match(QUOTE)); i++) quoted.push(m[1]);
+      const quote = document.createElement("blockquote");
+      quote.append(...lineNodes(quoted));
+      out.append(quote);
+    } else { // a paragraph: up to a blank line or the start of another block
+      const para = [];
+      for (; i < lines.length && lines[i].trim() && !FENCE.test(lines[i]) && !HEADING.test(lines[i]) &&
+        !BULLET.test(lines[i]) && !NUMBERED.test(lines[i]) && !QUOTE.test(lines[i]) && !RULE.test(lines[i]); i++) {
+        para.push(lines[i]);
+      }
+      const p = document.createElement("p");
+      p.append(...lineNodes(para));
+      out.append(p);
+    }
+  }
+  return out;
+}
+
 // ---- the conversation -----------------------------------------------------------------------
 
 function tokenSpan(text, source) {
@@ -125,7 +250,7 @@ function tokenSpan(text, source) {
 
 function element(tag, className, text) {
   const el = document.createElement(tag);
-  el.className = className;
+  if (className) el.className = className;
   if (text) el.textContent = text;
   return el;
 }
@@ -135,11 +260,19 @@ function answerColumn(turn, label) {
   const head = element("div", "answer-head", label);
   const stats = element("span", "answer-stats");
   const text = element("div", "answer-text");
+  const formatted = element("div", "answer-md");
   head.append(stats);
-  column.append(head, text);
+  column.append(head, text, formatted);
   column.dataset.status = "streaming";
   turn.append(column);
-  return { root: column, stats, text };
+  return { root: column, stats, text, formatted };
+}
+
+// An answer that has ended also shows as formatted markdown (the "format answers" switch picks
+// the view; the token colours stay one click away).
+function finishColumn(column, status) {
+  column.root.dataset.status = status;
+  column.formatted.replaceChildren(renderMarkdown(column.text.textContent));
 }
 
 function describeRun(run) {
@@ -206,25 +339,27 @@ async function send() {
   $("transcript").append(user, turn);
   $("prompt").value = "";
   const on = answerColumn(turn, "speculation on");
+  const columns = [on];
   let stage = "on";
   try {
     const onRun = await streamAnswer(messages, true, on, chat.controller.signal, showFigures);
-    on.root.dataset.status = "done";
+    finishColumn(on, "done");
     chat.messages = [...history, { role: "assistant", content: onRun.text }];
     if ($("compare").checked) {
       stage = "off";
       turn.classList.add("compare");
       const off = answerColumn(turn, "speculation off");
+      columns.push(off);
       const offRun = await streamAnswer(messages, false, off, chat.controller.signal, (run) => {
         if (run.rate !== null) $("fig-tps-off").textContent = run.rate.toFixed(1);
       });
-      off.root.dataset.status = "done";
+      finishColumn(off, "done");
       showVerdict(onRun, offRun);
     }
   } catch (e) {
     const stopped = e.name === "AbortError";
-    for (const column of turn.querySelectorAll(".answer[data-status=streaming]")) {
-      column.dataset.status = stopped ? "stopped" : "failed";
+    for (const column of columns.filter((c) => c.root.dataset.status === "streaming")) {
+      finishColumn(column, stopped ? "stopped" : "failed");
     }
     if (stage === "on" && !stopped) { // the answer failed: its turn goes, the message back into the box
       user.remove();
@@ -362,6 +497,9 @@ function start() {
     clearError();
   });
   $("api-key").addEventListener("change", loadModels);
+  const showFormatted = () => { document.body.dataset.view = $("markdown").checked ? "formatted" : "tokens"; };
+  $("markdown").addEventListener("change", showFormatted);
+  showFormatted();
   setBusy(false);
   resetFigures();
   buildSparklines();
