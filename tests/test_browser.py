@@ -145,3 +145,47 @@ def test_errors_show_the_servers_message_and_stop_aborts(page, server, monkeypat
     release.set()
     expect(page.locator("#error")).to_be_hidden()
     expect(page.locator("#send")).to_be_enabled()
+
+
+MARKDOWN = ("# Plan\n\nSome **bold**, *italic* and `code`; a [site](https://example.org/a) and "
+            "[trap](javascript:alert(1)) <img src=x onerror=alert(1)><script>alert(2)</script>\n\n"
+            "```python\nprint('" + "x" * 300 + "')\n```\n\n- one\n- two\n\n3. three\n4. four\n\n> quoted")
+
+
+def test_answers_render_as_safe_markdown_in_a_phone_sized_window(browser, server):
+    page = browser.new_page(viewport={"width": 360, "height": 740})
+    failures: list[str] = []
+    page.on("pageerror", lambda e: failures.append(str(e)))
+    page.goto(f"{server.url}/")
+    rendered = page.evaluate("""(text) => {
+        const box = document.createElement("div");
+        box.append(renderMarkdown(text));
+        return {tags: [...box.querySelectorAll("*")].map((e) => e.tagName.toLowerCase()),
+                links: [...box.querySelectorAll("a")].map((a) => a.getAttribute("href")),
+                code: box.querySelector("pre code").textContent, ol: box.querySelector("ol").start,
+                text: box.textContent};
+    }""", MARKDOWN)
+    assert set(rendered["tags"]) == {"h3", "p", "strong", "em", "code", "a", "pre", "ul", "ol", "li", "blockquote"}
+    assert rendered["links"] == ["https://example.org/a"]  # the javascript: link stays text
+    assert "<img src=x onerror=alert(1)><script>alert(2)</script>" in rendered["text"]
+    assert rendered["code"] == "print('" + "x" * 300 + "')" and rendered["ol"] == 3
+
+    enter_key(page)
+    page.uncheck("#compare")
+    page.fill("#max-tokens", "24")
+    page.fill("#prompt", "Write a short list of three fruits in markdown.")
+    page.press("#prompt", "Enter")
+    answer = page.locator(".answer")
+    expect(answer).to_have_attribute("data-status", "done", timeout=WAIT)
+    expect(answer.locator(".answer-md")).to_be_visible()
+    expect(answer.locator(".answer-text")).to_be_hidden()
+    page.uncheck("#markdown")  # the coloured tokens again
+    expect(answer.locator(".answer-text")).to_be_visible()
+    expect(answer.locator(".answer-md")).to_be_hidden()
+    # A long unbreakable line in an answer scrolls inside its code block, not the page.
+    page.evaluate("(text) => { const c = answerColumn(document.querySelector('.turn.assistant'), 'x');"
+                  " c.text.textContent = text; finishColumn(c, 'done'); }", MARKDOWN)
+    page.check("#markdown")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 360
+    page.close()
+    assert not failures, f"the page raised: {failures}"

@@ -83,3 +83,15 @@ def test_the_package_data_includes_the_files():
     shipped = {f for p in patterns for f in glob.glob(p, root_dir=ROOT / "specserve", recursive=True)}
     assert {f"server/static/{name}" for name in FILES} <= shipped
     assert sorted(p.name for p in STATIC_DIR.iterdir()) == sorted(FILES)
+
+
+def test_the_page_formats_answers_safely_and_fits_a_phone(llm):
+    """Answers render as markdown through DOM nodes only (the model's text never becomes HTML),
+    links keep safe schemes only, and the layout has a narrow-window rule (test_browser.py
+    renders both in a browser)."""
+    client = client_for(llm)
+    js, css = client.get("/static/playground.js").text, client.get("/static/playground.css").text
+    assert "function renderMarkdown(" in js and 'new Set(["http:", "https:", "mailto:"])' in js
+    assert not re.search(r"innerHTML|outerHTML|insertAdjacentHTML|document\.write|eval\(|new Function", js)
+    assert '<input id="markdown" type="checkbox" checked>' in client.get("/").text
+    assert "@media (max-width: 30rem)" in css and "body[data-view=formatted]" in css

@@ -164,6 +164,30 @@ def test_forced_call_schema():
     assert parse_reply(json.dumps({"name": "get_time", "arguments": {}}), NAMES).calls == (ToolCall("get_time", "{}"),)
 
 
+def test_forcing_fields_build_structured_output_where_the_build_has_it(monkeypatch):
+    """The path a build with structured output takes (sampling_params.StructuredOutputsParams,
+    stood in for by a record of its arguments): the call's schema goes to SamplingParams."""
+    from dataclasses import dataclass
+
+    from specserve import sampling_params
+    from specserve.server import tools
+    from specserve.server.protocol import ChatCompletionRequest
+
+    @dataclass
+    class Recorded:
+        json: dict
+
+    monkeypatch.setattr(tools, "STRUCTURED_OUTPUT", True)
+    monkeypatch.setattr(sampling_params, "StructuredOutputsParams", Recorded, raising=False)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, want in (("required", forced_call_schema(TOOLS, "required")),
+                         (named, forced_call_schema(TOOLS, named))):
+        req = ChatCompletionRequest.model_validate({"messages": GO, "tools": TOOLS, "tool_choice": choice})
+        assert tools.forcing_fields(req) == {"structured_outputs": Recorded(json=want)}
+    auto = ChatCompletionRequest.model_validate({"messages": GO, "tools": TOOLS})
+    assert tools.forcing_fields(auto) == {}
+
+
 # ---- tools in chat prompts -------------------------------------------------------------------
 
 # A template that takes tools as its variable, as Hermes and Qwen2.5 templates do.
