@@ -62,8 +62,9 @@ JSON = [(b"content-type", b"application/json")]
 
 
 def answer(headers, *bodies: bytes) -> list[dict]:
+    last = len(bodies) - 1
     return [{"type": "http.response.start", "status": 200, "headers": headers},
-            *({"type": "http.response.body", "body": b, "more_body": i + 1 < len(bodies)} for i, b in enumerate(bodies))]
+            *({"type": "http.response.body", "body": b, "more_body": i < last} for i, b in enumerate(bodies))]
 
 
 class Replica:

@@ -131,7 +131,8 @@ def _import_ray_serve():
     except ImportError as e:
         if "ray" not in (e.name or "").split("."):
             raise
-        raise SpecserveError("serve-ray needs Ray Serve, which is not installed: pip install 'specserve[ray]'") from None
+        raise SpecserveError("serve-ray needs Ray Serve, which is not installed: "
+                             "pip install 'specserve[ray]'") from None
     return ray_serve
 
 

@@ -162,11 +162,11 @@ class PrefixAffinityRouter(RequestRouter):
         rest = [r for r in candidate_replicas if r is not first]
         rest = random.sample(rest, min(2, len(rest)))
         if self._overloaded(first, rest):
-            return [rest or [first], [first]]
+            return [rest, [first]]
         return [[first], rest] if rest else [[first]]
 
     def _overloaded(self, replica: RunningReplica, others: list[RunningReplica]) -> bool:
-        cache = self._replica_queue_len_cache
+        cache = self.replica_queue_len_cache
         mine = cache.get(replica.replica_id)
         lengths = [q for r in others if (q := cache.get(r.replica_id)) is not None]
         return mine is not None and bool(lengths) and mine - min(lengths) > self._imbalance
