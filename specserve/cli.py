@@ -1,4 +1,4 @@
-"""specserve command line: generate | bench | serve | bench-serve | tune | verify | train-draft | self-spec-search."""
+"""specserve command line: generate | bench | serve | serve-ray | bench-serve | tune | verify | train-draft | self-spec-search."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     from specserve.server.launcher import add_serve_parser
     add_serve_parser(sub)
+    from specserve.server.ray_launcher import add_serve_ray_parser
+    add_serve_ray_parser(sub)
     from specserve.bench.serve_load import add_bench_serve_parser
     add_bench_serve_parser(sub)
     from specserve.train.cli import add_train_parser
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from specserve.server.launcher import run_serve
             return run_serve(args)
+        if args.command == "serve-ray":
+            from specserve.server.ray_launcher import run_serve_ray
+            return run_serve_ray(args)
         if args.command == "tune":
             from specserve.bench.tune import run_tune
             return run_tune(args)

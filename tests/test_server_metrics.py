@@ -137,3 +137,43 @@ def test_generated_tokens_are_counted_as_they_stream(server, monkeypatch):
     server.wait_idle()
     assert server.metric("specserve_generation_tokens_total") - before == 6
     assert server.metric("specserve_requests_total") == seen[0] + 1  # it had not ended when its token was counted
+
+
+def test_gateway_gauges_read_the_engine_under_vllm_names():
+    """The gauges an inference gateway's endpoint picker scrapes, named as vLLM names them: the
+    queue, the batch, KV cache use as a fraction, and the cache's block size and blocks."""
+    from types import SimpleNamespace
+
+    from specserve.engine.engine import EngineStats
+    from specserve.server.metrics import ServerMetrics
+
+    stats = EngineStats(num_running=2, num_waiting=3, num_kv_blocks=40, num_kv_blocks_used=10, block_size=16)
+    text = ServerMetrics(SimpleNamespace(snapshot=stats), "m").render().decode()
+    assert 'vllm:num_requests_waiting{model_name="m"} 3.0' in text
+    assert 'vllm:num_requests_running{model_name="m"} 2.0' in text
+    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'vllm:cache_config_info{block_size="16",model_name="m",num_gpu_blocks="40"} 1.0' in text
+
+
+def test_gateway_gauges_follow_a_running_request(server, monkeypatch):
+    """Through the server, while a request is held after its first step: one running, none
+    waiting, and the KV cache use the specserve gauge shows, as a fraction in (0, 1]."""
+    server.wait_idle()
+    release = hold_after_one_step(server.llm.engine, monkeypatch)
+    seen = {}
+
+    def look():
+        wait_for(lambda: server.metric("vllm:num_requests_running") == 1)
+        seen.update(server.metrics())
+        release.set()
+
+    body = {"prompt": "t5 t6 t7", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+    assert stream(server, body, look, hang_up=False)[-1] == "data: [DONE]"
+    assert seen["vllm:num_requests_running"] == seen["specserve_num_requests_running"] == 1
+    assert seen["vllm:num_requests_waiting"] == seen["specserve_num_requests_waiting"] == 0
+    assert 0 < seen["vllm:kv_cache_usage_perc"] == seen["specserve_kv_cache_usage_ratio"] <= 1
+    info = [labels for name, labels, value in server.samples() if name == "vllm:cache_config_info" and value == 1]
+    assert info == [{"model_name": "tiny", "block_size": str(server.llm.engine_config.block_size),
+                     "num_gpu_blocks": str(int(seen["specserve_kv_blocks_total"]))}]
+    m = server.wait_idle()
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0

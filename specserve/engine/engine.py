@@ -72,6 +72,7 @@ class EngineStats:
     num_requests: int = 0  # requests the engine still holds (running, waiting, or finished but not popped)
     num_kv_blocks: int = 0
     num_kv_blocks_used: int = 0  # referenced by requests; evictable prefix-cache blocks count as free
+    block_size: int = 0  # tokens per KV block
     prefix_cache_queried_blocks: int = 0
     prefix_cache_hit_blocks: int = 0
     num_preemptions: int = 0
@@ -256,6 +257,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_requests=len(self.requests),
             num_kv_blocks=pool.num_blocks, num_kv_blocks_used=pool.num_blocks - pool.num_available_blocks,
+            block_size=pool.block_size,
             prefix_cache_queried_blocks=cache.queried_blocks, prefix_cache_hit_blocks=cache.hit_blocks,
             num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
             draft_depth_counts=tuple(self.planner.chosen) if self.planner else (),

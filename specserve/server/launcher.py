@@ -30,6 +30,12 @@ def add_serve_parser(sub) -> None:
     engine_args.add_engine_args(s, serving=True)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, printed at start)")
+    add_server_args(s)
+
+
+def add_server_args(s, connections: bool = True) -> None:
+    """The HTTP server's own options (`serve`; `serve-ray` without the connection-level ones,
+    which Ray's HTTP proxy owns there)."""
     s.add_argument("--allowed-host", action="append", default=None, metavar="NAME",
                    help="also answer requests whose Host header is NAME (repeatable; '*': any). Bound to a loopback "
                         "address the server answers local names only (localhost, 127.0.0.0/8, [::1]), so that a "
@@ -43,11 +49,14 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-request-choices", type=int, default=64,
                    help="engine requests one HTTP request may make (prompts x n); more get 400 (default 64)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="larger request bodies get 413")
-    s.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds a connection may take to send complete request headers; slower ones get 408 "
-                        "and the connection closes (default 10)")
-    s.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections; a new one past this gets 503 and is closed (default 1024)")
+    if connections:
+        s.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a connection may take to send complete request headers; slower ones get 408 "
+                            "and the connection closes (default 10)")
+        s.add_argument("--max-connections", type=int, default=1024,
+                       help="open connections; a new one past this gets 503 and is closed (default 1024)")
+    else:
+        s.set_defaults(header_timeout=10.0, max_connections=1024)
     s.add_argument("--body-timeout", type=float, default=10.0,
                    help="seconds a request body may take to arrive; slower ones get 408 and the connection closes")
     s.add_argument("--grace-period", type=float, default=30.0, help="seconds running requests get on SIGTERM")
@@ -76,20 +85,7 @@ def run_serve(args) -> int:
     if (sc := SpeculativeConfig.from_dict(spec)) is not None and sc.lossy:
         log.warning("typical acceptance is on: sampled responses are NOT exactly the target model's distribution "
                     "(lossy; greedy responses are unchanged)")
-    if not 0 <= args.port <= 65535:
-        raise InvalidParameterError("port", args.port, "must be in [0, 65535]")
-    if args.max_waiting < 0:
-        raise InvalidParameterError("max_waiting", args.max_waiting, "must be >= 0")
-    if args.max_body_bytes < 1024:
-        raise InvalidParameterError("max_body_bytes", args.max_body_bytes, "must be >= 1024")
-    if not args.grace_period >= 0:
-        raise InvalidParameterError("grace_period", args.grace_period, "must be >= 0 seconds")
-    if not args.body_timeout > 0:
-        raise InvalidParameterError("body_timeout", args.body_timeout, "must be > 0 seconds")
-    if not 0 < args.header_timeout <= 3600:
-        raise InvalidParameterError("header_timeout", args.header_timeout, "must be in (0, 3600] seconds")
-    if args.max_request_choices < 1:
-        raise InvalidParameterError("max_request_choices", args.max_request_choices, "must be >= 1")
+    check_server_args(args)
     _allow_files(args.max_connections)
     sock = _bind(args.host, args.port)
 
@@ -122,6 +118,24 @@ def run_serve(args) -> int:
     asyncio.run(server.serve(sockets=[sock]))
     log.info("stopped%s", f" on signal {signal.Signals(stops[0]).name}" if stops else "")
     return 0
+
+
+def check_server_args(args) -> None:
+    """The server options' bounds, checked before any time goes into loading the model."""
+    if not 0 <= args.port <= 65535:
+        raise InvalidParameterError("port", args.port, "must be in [0, 65535]")
+    if args.max_waiting < 0:
+        raise InvalidParameterError("max_waiting", args.max_waiting, "must be >= 0")
+    if args.max_body_bytes < 1024:
+        raise InvalidParameterError("max_body_bytes", args.max_body_bytes, "must be >= 1024")
+    if not args.grace_period >= 0:
+        raise InvalidParameterError("grace_period", args.grace_period, "must be >= 0 seconds")
+    if not args.body_timeout > 0:
+        raise InvalidParameterError("body_timeout", args.body_timeout, "must be > 0 seconds")
+    if not 0 < args.header_timeout <= 3600:
+        raise InvalidParameterError("header_timeout", args.header_timeout, "must be in (0, 3600] seconds")
+    if args.max_request_choices < 1:
+        raise InvalidParameterError("max_request_choices", args.max_request_choices, "must be >= 1")
 
 
 def server_config(args, model_name: str, max_model_len: int, bound: str | None = None):

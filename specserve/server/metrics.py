@@ -66,6 +66,18 @@ class ServerMetrics:
               lambda: snap().num_kv_blocks_used / max(snap().num_kv_blocks, 1))
         gauge("specserve_prefix_cache_hit_rate", "Prompt blocks found in the prefix cache / blocks looked up",
               lambda: snap().prefix_cache_hit_blocks / max(snap().prefix_cache_queried_blocks, 1))
+        # The gauges an inference gateway's endpoint picker reads (the Gateway API Inference
+        # Extension's model-server protocol, llm-d), under vLLM's names, which it reads by
+        # default: queue, batch, KV cache use as a fraction (0..1), and the cache's shape.
+        gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (as specserve_num_requests_waiting)",
+              lambda: snap().num_waiting)
+        gauge("vllm:num_requests_running", "Requests in the running batch (as specserve_num_requests_running)",
+              lambda: snap().num_running)
+        gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use, 0..1 (as specserve_kv_cache_usage_ratio)",
+              lambda: snap().num_kv_blocks_used / max(snap().num_kv_blocks, 1))
+        Gauge("vllm:cache_config_info", "The KV cache's shape, in the labels (value 1)",
+              ["model_name", "block_size", "num_gpu_blocks"], registry=self.registry).labels(
+            **label, block_size=str(snap().block_size), num_gpu_blocks=str(snap().num_kv_blocks)).set(1)
         gauge("specserve_num_preemptions", "Requests preempted (recomputed) so far", lambda: snap().num_preemptions)
         gauge("specserve_spec_acceptance_rate", "Accepted / drafted tokens, all requests so far",
               lambda: self._spec.acceptance_rate)
