@@ -56,21 +56,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-# Checkpoint tensors that hold several of the project's, stacked by rows in this order (Phi-3's
-# fused projections; the GGUF loader maps Phi-3's attn_qkv and ffn_up to these names).
-_CHECKPOINT_FUSED = {
-    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
 def fused_parts(name: str) -> tuple[str, ...] | None:
-    """The unfused names a fused checkpoint tensor stands for (model.layers.N.self_attn.qkv_proj.weight
-    -> its q, k and v), None for any other name."""
+    """The unfused checkpoint names a fused checkpoint tensor stands for, in row order
+    (model.layers.N.self_attn.qkv_proj.weight -> its q, k and v: Phi-3 ships its projections
+    fused, and the GGUF loader maps Phi-3's attn_qkv and ffn_up to these names); None for any
+    other name."""
     m = _LAYER.fullmatch(name)
-    if not m or m.group(2) not in _CHECKPOINT_FUSED:
+    if not m or m.group(2) not in _FUSED:
         return None
-    return tuple(f"model.layers.{m.group(1)}.{part}" for part in _CHECKPOINT_FUSED[m.group(2)])
+    return tuple(f"model.layers.{m.group(1)}.{part}" for part in _FUSED[m.group(2)])
 
 
 def checkpoint_shape(expected: dict[str, tuple[int, ...]], name: str) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
@@ -80,9 +74,9 @@ def checkpoint_shape(expected: dict[str, tuple[int, ...]], name: str) -> tuple[t
     if parts is None:
         return expected.get(name), (name,)
     shapes = [expected.get(p) for p in parts]
-    if any(s is None or len(s) != 2 for s in shapes) or len({s[1] for s in shapes}) != 1:
+    if any(s is None for s in shapes) or len({s[1:] for s in shapes}) != 1:
         return None, parts
-    return (sum(s[0] for s in shapes), shapes[0][1]), parts
+    return (sum(s[0] for s in shapes), *shapes[0][1:]), parts
 
 
 def split_fused(expected: dict[str, tuple[int, ...]], name: str, w):
