@@ -136,8 +136,9 @@ def read_dimensions(r: FieldReader, keys: DimensionKeys, *, vocab_default: objec
 def read_hf_sliding_window(r: FieldReader, arch: str, num_layers: int) -> int | None:
     """The attention window of a config.json's windowed layers, None when no layer is windowed,
     as transformers reads it: `layer_types` naming "sliding_attention" layers where given; else
-    every Mistral and Phi-3 layer, and Qwen2's and Qwen3's layers from `max_window_layers` on when `use_sliding_window`
-    is true. Llama ignores the key (transformers' Llama attends to the whole context)."""
+    every Mistral and Phi-3 layer, and Qwen2's and Qwen3's layers from `max_window_layers` on
+    when `use_sliding_window` is true. Llama ignores the key (transformers' Llama attends to the
+    whole context)."""
     if arch == "llama" or r.lookup("sliding_window") is None:
         return None
     window = r.integer("sliding_window", 1, MAX_CONTEXT)
