@@ -28,18 +28,27 @@ def write_wordlevel_tokenizer(folder: Path, vocab_size: int) -> None:
 
 def make_tiny_checkpoint(folder: Path, kind: str = "llama", *, vocab_size: int = 64, hidden: int = 64,
                          layers: int = 2, heads: int = 4, kv_heads: int = 2, tied: bool = False,
-                         rope_scaling: dict | None = None, seed: int = 0, max_positions: int = 512) -> Path:
-    """Save a random-weight Llama (or Qwen2) model folder and return its path."""
+                         rope_scaling: dict | None = None, seed: int = 0, max_positions: int = 512,
+                         **config) -> Path:
+    """Save a random-weight model folder of `kind` (llama, qwen2, qwen3 or phi3) and return its
+    path; `config`: further keys of the transformers config (Qwen3's head_dim, attention_bias...)."""
     import transformers
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=max_positions, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-                  bos_token_id=0, eos_token_id=1)
+                  bos_token_id=0, eos_token_id=1, **config)
     if kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=1e6)
         model = transformers.Qwen2ForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, rope_theta=1e6)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    elif kind == "phi3":
+        # (Phi-3's default pad token, 32000, lies outside a tiny vocabulary.)
+        cfg = transformers.Phi3Config(**common, rope_theta=10000.0, pad_token_id=1)
+        model = transformers.Phi3ForCausalLM(cfg)
     else:
         extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
         cfg = transformers.LlamaConfig(**common, rope_theta=10000.0, **extra)

@@ -95,7 +95,7 @@ def test_native_view_equals_a_model_built_from_its_layers_alone(native):
     from specserve.model.native_llama import build_native_model
 
     keep = [0, 1, 4, 9, 17, 28, 29]
-    weights = gguf_weights(open_gguf(native.path), native.path)
+    weights = gguf_weights(open_gguf(native.path), native.path, native.config)
     renamed = {}
     for name, w in weights.items():
         if name.startswith("model.layers."):

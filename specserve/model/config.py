@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.errors import ModelLoadError
-from specserve.model.limits import (HF_KEYS, FieldReader, check_rope_scaling, read_dimensions, read_flag,
-                                    read_hf_sliding_window, read_rope_theta)
+from specserve.model.limits import (HF_KEYS, ROPE_TYPES, FieldReader, check_rope_scaling, read_dimensions, read_flag,
+                                    read_hf_full_rotary, read_hf_sliding_window, read_rope_theta)
 
-# Architectures whose weights map onto the project's Llama-family model unchanged
-# (Qwen2 differs only by the qkv bias, which the config turns on).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Architectures whose weights map onto the project's Llama-family model, each difference a flag
+# of ModelConfig: Qwen2's qkv bias (attention_bias), Qwen3's per-head q/k RMSNorm (qk_norm) and
+# free head_dim, Phi-3's fused qkv and gate/up tensors (split at load, weights.split_fused).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ROPE_TYPES = ROPE_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     # rope_scaling as in HF config.json: {"rope_type": "llama3", "factor": ..., ...}; None = plain RoPE.
     rope_scaling: dict | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # q, k and v projections have biases
+    o_bias: bool = False  # the o projection has a bias (Llama and Qwen3 with attention_bias)
+    # RMSNorm over each head's head_dim slice of q and of k (weights q_norm, k_norm [head_dim],
+    # eps rms_norm_eps), after the projections and before RoPE: Qwen3.
+    qk_norm: bool = False
     tie_word_embeddings: bool = False
     # Some layers attend only to the latest `sliding_window` positions (the query's own
     # included); None: every layer sees the whole context. specserve computes full attention,
@@ -77,6 +82,9 @@ class ModelConfig:
             + self.q_size * self.hidden_size
             + 3 * self.hidden_size * self.intermediate_size
             + 2 * self.hidden_size
+            + (self.q_size + 2 * self.kv_size if self.attention_bias else 0)
+            + (self.hidden_size if self.o_bias else 0)
+            + (2 * self.head_dim if self.qk_norm else 0)
         )
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + self.hidden_size
@@ -100,7 +108,9 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported model architecture {arch!r}; specserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        dims = read_dimensions(r, HF_KEYS, context_default=2048, eps_default=1e-6)
+        # transformers' Qwen3 config gives head_dim 128 where config.json names none.
+        dims = read_dimensions(r, HF_KEYS, context_default=2048, eps_default=1e-6,
+                               head_dim_default=128 if arch == "qwen3" else None)
         rope_params = cfg.get("rope_parameters") or {}
         if not isinstance(rope_params, dict):
             r.fail("rope_parameters", rope_params, "must be an object such as {\"rope_theta\": 10000.0}")
@@ -112,13 +122,18 @@ class ModelConfig:
         theta_key, raw_theta = (("rope_theta", cfg["rope_theta"]) if "rope_theta" in cfg
                                 else ("rope_parameters.rope_theta", rope_params.get("rope_theta")))
         theta = read_rope_theta(FieldReader(where, {theta_key: raw_theta}.get), theta_key, 10000.0)
+        read_hf_full_rotary(r, rope_params)
+        # Qwen2 always has a qkv bias and no config flag for it; Llama's and Qwen3's flag also
+        # puts a bias on the o projection (transformers' modelling), Qwen2's and Mistral's not.
+        attention_bias = read_flag(r, "attention_bias", arch == "qwen2")
         return cls(
             architecture=arch,
             **dims,
             rope_theta=theta,
             rope_scaling=check_rope_scaling(r, key, rope_scaling, dims["max_position_embeddings"]),
-            # Qwen2 always has a qkv bias and no config flag for it.
-            attention_bias=read_flag(r, "attention_bias", arch == "qwen2"),
+            attention_bias=attention_bias,
+            o_bias=attention_bias and arch in ("llama", "qwen3"),
+            qk_norm=arch == "qwen3",
             tie_word_embeddings=read_flag(r, "tie_word_embeddings", False),
             sliding_window=read_hf_sliding_window(r, arch, dims["num_layers"]),
         )

@@ -16,7 +16,7 @@ from specserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specserve.model.limits import MAX_CONTEXT, FieldReader, gguf_keys, read_dimensions, read_rope_theta
 from specserve.model.llama import LlamaModel
 from specserve.model.native_llama import Blocks, Weight
-from specserve.model.weights import build_model, expected_shapes
+from specserve.model.weights import build_model, checkpoint_shape, expected_shapes, split_fused
 
 # GGUF tensor names -> Hugging Face names ("{}" is the layer index).
 _LAYER_NAMES = {
@@ -28,17 +28,26 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Phi-3's ffn_up holds [gate; up] by rows (llama.cpp's phi3 graph splits it in halves, SiLU on
+# the first), and there is no ffn_gate.
+_PHI3_NAMES = _LAYER_NAMES | {"ffn_up.weight": "mlp.gate_up_proj.weight"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# Phi-3 128k's longrope frequency factors: refused by name (their angles are not computed).
+_LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -71,7 +80,15 @@ def read_gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
     value_length = r.lookup(f"{arch}.attention.value_length")
     if value_length is not None and value_length != dims["head_dim"]:
         r.fail(f"{arch}.attention.value_length", value_length, f"must equal {keys.head_dim}={dims['head_dim']}")
+    rope_dims = r.lookup(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and rope_dims != dims["head_dim"]:
+        r.fail(f"{arch}.rope.dimension_count", rope_dims, f"must equal {keys.head_dim}={dims['head_dim']}: specserve "
+               "rotates whole heads only, and a model with partial RoPE would silently give other outputs")
     by_name = {t.name: t for t in reader.tensors}
+    longrope = [n for n in _LONGROPE if n in by_name]
+    if longrope:
+        raise ModelLoadError(f"{path.name}: tensor {longrope[0]} gives longrope (su) RoPE scaling, which specserve "
+                             "does not compute; the model's output would silently differ")
     rope_scaling = None
     scaling_type = field(reader, f"{arch}.rope.scaling.type")
     if scaling_type == "linear":
@@ -86,6 +103,8 @@ def read_gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         rope_theta=read_rope_theta(r, f"{arch}.rope.freq_base", 10000.0),
         rope_scaling=rope_scaling,
         attention_bias="blk.0.attn_q.bias" in by_name,
+        o_bias="blk.0.attn_output.bias" in by_name,
+        qk_norm="blk.0.attn_q_norm.weight" in by_name,
         tie_word_embeddings="output.weight" not in by_name,
         # (llama.cpp, like transformers, gives the llama architecture full attention whatever the key says)
         sliding_window=(None if arch == "llama" or r.lookup(f"{arch}.attention.sliding_window") is None
@@ -112,22 +131,25 @@ def check_gguf_tensors(reader: GGUFReader, path: Path, cfg: ModelConfig) -> None
     checked on the header alone, before any is read (the reader has already checked that each
     one's data lies within the file)."""
     expected = expected_shapes(cfg)
-    got: dict[str, tuple[int, ...]] = {}
+    got: set[str] = set()
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        hf = _hf_name(t.name)
-        if hf is None or hf not in expected:
+        hf = _hf_name(t.name, cfg.architecture)
+        want, supplies = checkpoint_shape(expected, hf) if hf is not None else (None, ())
+        if want is None or got.intersection(supplies):
             raise ModelLoadError(f"{path.name}: unexpected tensor {t.name!r} for a {cfg.architecture} model of "
                                  f"{cfg.num_layers} layers ({cfg.architecture}.block_count)")
-        got[hf] = tuple(reversed([int(d) for d in t.shape]))
-        if got[hf] != expected[hf]:
-            raise ModelLoadError(f"{path.name}: tensor {t.name} has shape {got[hf]}, expected {expected[hf]} "
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        if shape != want:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} has shape {shape}, expected {want} "
                                  "from the file's metadata")
-    missing = sorted(set(expected) - set(got))
+        got.update(supplies)
+    # (by GGUF name, once each: Phi-3's ffn_up stands for two of the expected tensors)
+    missing = list(dict.fromkeys(_gguf_name(n, cfg.architecture) for n in sorted(set(expected) - got)))
     if missing:
         raise ModelLoadError(f"{path.name}: tensors missing for a model of this metadata: "
-                             f"{', '.join(_gguf_name(n) for n in missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+                             f"{', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -150,21 +172,24 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str) -> str:
     """The GGUF name of a Hugging Face tensor name (for messages)."""
     for gguf_name, name in _GLOBAL_NAMES.items():
         if name == hf:
             return gguf_name
     layer, rest = hf.removeprefix("model.layers.").split(".", 1)
+    if arch == "phi3" and rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+        return f"blk.{layer}.ffn_up.weight"
     return f"blk.{layer}." + next(g for g, h in _LAYER_NAMES.items() if h == rest)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -174,41 +199,45 @@ def is_quantized(reader: GGUFReader) -> bool:
     return any(GGMLQuantizationType(t.tensor_type) not in floats for t in reader.tensors)
 
 
-def gguf_weights(reader: GGUFReader, path: Path) -> dict[str, Weight]:
-    """Every tensor by its Hugging Face name: quantized ones as their raw blocks (copied out of
-    the file's memory map), float ones as float32 tensors. q/k rows stay in llama.cpp's order."""
+def gguf_weights(reader: GGUFReader, path: Path, cfg: ModelConfig) -> dict[str, Weight]:
+    """Every tensor by its Hugging Face name, fused ones (Phi-3's attn_qkv, ffn_up) split into
+    their parts: quantized ones as their raw blocks (copied out of the file's memory map), float
+    ones as float32 tensors. q/k rows stay in llama.cpp's order."""
     out: dict[str, Weight] = {}
+    expected = expected_shapes(cfg)
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, cfg.architecture)
         if hf is None:
             raise ModelLoadError(f"{path.name}: unexpected tensor {t.name!r}")
         qtype = GGMLQuantizationType(t.tensor_type)
         shape = tuple(reversed([int(d) for d in t.shape]))
         if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) or len(shape) == 1:
-            out[hf] = torch.from_numpy(_dequantized(t).copy())
+            w = torch.from_numpy(_dequantized(t).copy())
         else:
-            out[hf] = Blocks(qtype, np.array(t.data, dtype=np.uint8).reshape(shape[0], -1), shape[0], shape[1])
+            w = Blocks(qtype, np.array(t.data, dtype=np.uint8).reshape(shape[0], -1), shape[0], shape[1])
+        out.update(split_fused(expected, hf, w))
     return out
 
 
 def load_gguf_model(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: torch.dtype,
                     device: torch.device | str, positions: int | None = None) -> LlamaModel:
     tensors = [t for t in reader.tensors if t.name != "rope_freqs.weight"]
+    expected = expected_shapes(cfg)
 
     def named() -> Iterator[tuple[str, torch.Tensor]]:
         for t in tensors:
-            hf = _hf_name(t.name)
+            hf = _hf_name(t.name, cfg.architecture)
             if hf is None:
                 raise ModelLoadError(f"{path.name}: unexpected tensor {t.name!r} for architecture {cfg.architecture}")
             w = _dequantized(t)
-            # Only the "llama" converter permutes q/k; qwen2 uses rotate-half RoPE natively.
+            # Only the "llama" converter permutes q/k; qwen2, qwen3 and phi3 use rotate-half RoPE natively.
             if cfg.architecture == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = _unpermute(w, cfg.num_heads)
             elif cfg.architecture == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
                 w = _unpermute(w, cfg.num_kv_heads)
             # Memory-mapped F32 tensors come back read-only; torch wants its own writable copy.
-            yield hf, torch.from_numpy(w if w.flags.writeable else w.copy())
+            yield from split_fused(expected, hf, torch.from_numpy(w if w.flags.writeable else w.copy()))
 
     return build_model(cfg, named(), len(tensors), dtype, device, desc=f"Loading {path.name}", positions=positions)

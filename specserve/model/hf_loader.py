@@ -12,7 +12,8 @@ from safetensors import SafetensorError, safe_open
 from specserve.errors import ModelLoadError
 from specserve.model.config import ModelConfig
 from specserve.model.llama import LlamaModel
-from specserve.model.weights import build_model, expected_shapes, ignored_tensor
+from specserve.model.weights import (build_model, checkpoint_shape, expected_shapes, fused_parts, ignored_tensor,
+                                     split_fused)
 
 # The safetensors dtypes of weights (the model computes in float).
 FLOAT_DTYPES = ("F32", "F16", "BF16")
@@ -49,7 +50,7 @@ def check_hf_tensors(folder: Path, cfg: ModelConfig) -> None:
         for name in handle.keys():
             if ignored_tensor(name):
                 continue
-            want = expected.get(name)
+            want, supplies = checkpoint_shape(expected, name)  # a fused tensor (Phi-3) supplies its parts
             if want is None and name == "lm_head.weight":  # saved although tied to the embedding
                 want = (cfg.vocab_size, cfg.hidden_size)
             if want is None:
@@ -61,7 +62,11 @@ def check_hf_tensors(folder: Path, cfg: ModelConfig) -> None:
                 raise ModelLoadError(f"{f}: tensor {name} has shape {shape}, expected {want} from config.json")
             if dtype not in FLOAT_DTYPES:
                 raise ModelLoadError(f"{f}: tensor {name} has dtype {dtype}; allowed: {', '.join(FLOAT_DTYPES)}")
-            seen.add(name)
+            twice = seen.intersection(supplies)
+            if twice:
+                raise ModelLoadError(f"{f}: tensor {name} gives {sorted(twice)[0]} a second time "
+                                     "(a fused and an unfused copy, or two files)")
+            seen.update(supplies)
     missing = sorted(set(expected) - seen)
     if missing:
         raise ModelLoadError(f"{folder}: tensors missing for a model of this config.json: {', '.join(missing[:5])}"
@@ -90,19 +95,22 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def hf_tensors(folder: Path) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
-    """(name, tensor) pairs of a model folder's weight files, and how many there are."""
+def hf_tensors(folder: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
+    """(name, tensor) pairs of a model folder's weight files (checked by check_hf_tensors), fused
+    tensors split into their parts (weights.split_fused), and how many pairs there are."""
     files = safetensors_files(folder)
     handles = [h for _, h in _open_all(files)]
-    total = sum(len(h.keys()) for h in handles)
+    total = sum(len(fused_parts(name) or (name,)) for h in handles for name in h.keys())
+    expected = expected_shapes(cfg)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for f, h in zip(files, handles):
             for name in h.keys():
                 try:
-                    yield name, h.get_tensor(name)
+                    tensor = h.get_tensor(name)
                 except (SafetensorError, OSError) as e:
                     raise ModelLoadError(f"corrupt tensor {name} in {f}: {e}") from None
+                yield from split_fused(expected, name, tensor)
 
     return tensors(), total
 
@@ -120,5 +128,5 @@ def _open_all(files: list[Path]) -> list[tuple[Path, object]]:
 
 def load_hf_model(folder: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                   positions: int | None = None) -> LlamaModel:
-    tensors, total = hf_tensors(folder)
+    tensors, total = hf_tensors(folder, cfg)
     return build_model(cfg, tensors, total, dtype, device, positions=positions)

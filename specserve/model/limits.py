@@ -102,16 +102,19 @@ def gguf_keys(arch: str) -> DimensionKeys:
 
 
 def read_dimensions(r: FieldReader, keys: DimensionKeys, *, vocab_default: object = _MISSING,
-                    context_default: object = _MISSING, eps_default: float = 1e-5) -> dict:
-    """ModelConfig's size fields, each checked alone and against the others."""
+                    context_default: object = _MISSING, eps_default: float = 1e-5,
+                    head_dim_default: int | None = None) -> dict:
+    """ModelConfig's size fields, each checked alone and against the others. A missing head_dim
+    is `head_dim_default`, or hidden_size / num_heads where that is None."""
     hidden = r.integer(keys.hidden_size, 1, MAX_HIDDEN)
     heads = r.integer(keys.num_heads, 1, MAX_HEADS)
-    if r.lookup(keys.head_dim) is None and hidden % heads:
+    if r.lookup(keys.head_dim) is None and head_dim_default is None and hidden % heads:
         r.fail(keys.num_heads, heads, f"must divide {keys.hidden_size}={hidden} (no {keys.head_dim} is given)")
     kv_heads = r.integer(keys.num_kv_heads, 1, heads, default=heads)
     if heads % kv_heads:
         r.fail(keys.num_kv_heads, kv_heads, f"must divide {keys.num_heads}={heads} (grouped-query attention)")
-    head_dim = r.integer(keys.head_dim, 2, MAX_HEAD_DIM, default=hidden // heads)
+    head_dim = r.integer(keys.head_dim, 2, MAX_HEAD_DIM,
+                         default=hidden // heads if head_dim_default is None else head_dim_default)
     if head_dim % 2:
         r.fail(keys.head_dim, head_dim, "must be even (RoPE rotates pairs of dimensions)")
     if heads * head_dim > MAX_HIDDEN:
@@ -133,8 +136,9 @@ def read_dimensions(r: FieldReader, keys: DimensionKeys, *, vocab_default: objec
 def read_hf_sliding_window(r: FieldReader, arch: str, num_layers: int) -> int | None:
     """The attention window of a config.json's windowed layers, None when no layer is windowed,
     as transformers reads it: `layer_types` naming "sliding_attention" layers where given; else
-    every Mistral layer, and Qwen2's layers from `max_window_layers` on when `use_sliding_window`
-    is true. Llama ignores the key (transformers' Llama attends to the whole context)."""
+    every Mistral and Phi-3 layer, and Qwen2's and Qwen3's layers from `max_window_layers` on
+    when `use_sliding_window` is true. Llama ignores the key (transformers' Llama attends to the
+    whole context)."""
     if arch == "llama" or r.lookup("sliding_window") is None:
         return None
     window = r.integer("sliding_window", 1, MAX_CONTEXT)
@@ -144,7 +148,7 @@ def read_hf_sliding_window(r: FieldReader, arch: str, num_layers: int) -> int | 
         if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
             r.fail("layer_types", types, f"must list {num_layers} entries, each one of {', '.join(kinds)}")
         windowed = "sliding_attention" in types
-    elif arch == "qwen2":
+    elif arch in ("qwen2", "qwen3"):
         windowed = (read_flag(r, "use_sliding_window", False)
                     and r.integer("max_window_layers", 0, MAX_LAYERS, default=0) < num_layers)
     else:
@@ -157,14 +161,23 @@ def read_rope_theta(r: FieldReader, key: str, default: float) -> float:
     return r.number(key, 1.0, default=default)
 
 
+# The RoPE variants rope_inv_freq computes (config.SUPPORTED_ROPE_TYPES).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
 def check_rope_scaling(r: FieldReader, key: str, scaling: object, context: int) -> dict | None:
-    """An HF rope_scaling dict checked for what rope_inv_freq reads; None for plain RoPE."""
+    """An HF rope_scaling dict checked for what rope_inv_freq reads; None for plain RoPE. Other
+    variants (Phi-3's longrope, alias su; yarn...) are refused by name: their angles differ."""
     if scaling is None:
         return None
     if not isinstance(scaling, dict):
         r.fail(key, scaling, "must be an object such as {\"rope_type\": \"linear\", \"factor\": 2.0} or null")
     sub = FieldReader(r.where, lambda k: scaling.get(k.removeprefix(f"{key}.")))
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    type_key = "rope_type" if "rope_type" in scaling else "type"
+    kind = scaling.get(type_key, "default")
+    if kind not in ROPE_TYPES:
+        r.fail(f"{key}.{type_key}", kind, f"specserve computes RoPE scaling of type {', '.join(ROPE_TYPES)} only; "
+               "other variants (longrope or su, yarn, dynamic...) would silently give other outputs")
     if kind in ("linear", "llama3"):
         sub.number(f"{key}.factor", 0.0)
     if kind == "llama3":
@@ -174,6 +187,17 @@ def check_rope_scaling(r: FieldReader, key: str, scaling: object, context: int) 
             r.fail(f"{key}.high_freq_factor", high, f"must be above {key}.low_freq_factor={low:g}")
         sub.integer(f"{key}.original_max_position_embeddings", 2, MAX_CONTEXT, default=context)
     return dict(scaling)
+
+
+def read_hf_full_rotary(r: FieldReader, rope_params: dict) -> None:
+    """Refuse partial RoPE: partial_rotary_factor (top-level, or in rope_parameters, where
+    transformers keeps it) other than 1 rotates only part of each head, which specserve does not."""
+    for key, lookup in (("partial_rotary_factor", r.lookup),
+                        ("rope_parameters.partial_rotary_factor", lambda k: rope_params.get(k.split(".")[1]))):
+        sub = FieldReader(r.where, lookup)
+        if sub.number(key, 0.0, 1.0, default=1.0) != 1.0:
+            r.fail(key, lookup(key), "specserve rotates whole heads only (1.0); a model with partial RoPE "
+                   "would silently give other outputs")
 
 
 def read_flag(r: FieldReader, key: str, default: bool) -> bool:

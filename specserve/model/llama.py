@@ -1,5 +1,5 @@
-"""Llama-family transformer (Llama 2/3, Mistral, Qwen2, SmolLM, TinyLlama) over the project's
-attention interface.
+"""Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM, TinyLlama) over the
+project's attention interface.
 
 At the embedded model's size a CPU step is the weights' read plus the cost of every other op,
 and in a real step that cost is far above a micro-benchmark's: each matrix product streams
@@ -84,7 +84,10 @@ class Attention(nn.Module):
         self.qk_v_heads = [cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads]
         self.q_k_heads = [cfg.num_heads, cfg.num_kv_heads]
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: RMSNorm over each head of q and of k (weights [head_dim]) before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: DenseKVCache) -> torch.Tensor:
@@ -93,6 +96,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(h).unflatten(-1, (-1, self.head_dim))  # [B, T, H + 2 Hkv, D] or [N, ...]
         # q and k heads are adjacent, so one RoPE call rotates both.
         qk, v = qkv.split(self.qk_v_heads, dim=-2)
+        if self.q_norm is not None:
+            q, k = qk.split(self.q_k_heads, dim=-2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
         q, k = apply_rope(qk, cos, sin).split(self.q_k_heads, dim=-2)
         return self.o_proj.forward_add(cache.attend(self.layer, q, k, v, meta), residual)
 

@@ -180,7 +180,7 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
         from specserve import native
 
         _check_native_shape(cfg, path)
-        weights = gguf_weights(reader, path) if reader is not None else dict(hf_tensors(path)[0])
+        weights = gguf_weights(reader, path, cfg) if reader is not None else dict(hf_tensors(path, cfg)[0])
         level = native_level()
         net = build_native_model(cfg, weights, mode, native.load(), level,
                                  permute_qk=reader is not None and cfg.architecture == "llama", positions=positions)

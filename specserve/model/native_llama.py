@@ -54,6 +54,10 @@ class Blocks:
         """float32 [rows, cols], the gguf package's reference dequantization."""
         return torch.from_numpy(np.asarray(dequantize(self.raw, self.format), dtype=np.float32).reshape(self.rows, self.cols))
 
+    def row_slice(self, start: int, stop: int) -> Blocks:
+        """Rows [start, stop) (a fused checkpoint tensor's part: blocks never span rows)."""
+        return Blocks(self.format, self.raw[start:stop], stop - start, self.cols)
+
     def take_rows(self, order: np.ndarray) -> Blocks:
         return Blocks(self.format, np.ascontiguousarray(self.raw[order]), self.rows, self.cols)
 
@@ -267,11 +271,14 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
             if permute_qk:
                 biases[0] = biases[0][torch.from_numpy(_unpermuted_rows(cfg.q_size, cfg.num_heads))].contiguous()
                 biases[1] = biases[1][torch.from_numpy(_unpermuted_rows(cfg.kv_size, cfg.num_kv_heads))].contiguous()
+        o_bias = [vector(p + "self_attn.o_proj.bias")] if cfg.o_bias else None
+        qk_norm = ({"q_norm": vector(p + "self_attn.q_norm.weight"), "k_norm": vector(p + "self_attn.k_norm.weight")}
+                   if cfg.qk_norm else {})
         layers.append(ext.Layer(
             attn_norm=vector(p + "input_layernorm.weight"), ffn_norm=vector(p + "post_attention_layernorm.weight"),
-            qkv=stacked([q, k, v], biases), o=stacked([matrix(p + "self_attn.o_proj.weight")]),
+            qkv=stacked([q, k, v], biases), o=stacked([matrix(p + "self_attn.o_proj.weight")], o_bias),
             gate_up=stacked([matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")]),
-            down=stacked([matrix(p + "mlp.down_proj.weight")])))
+            down=stacked([matrix(p + "mlp.down_proj.weight")]), **qk_norm))
         layer_bytes.append(sum(packed_bytes) - before)
 
     embed = take("model.embed_tokens.weight")

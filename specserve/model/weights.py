@@ -44,11 +44,53 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if cfg.o_bias:
+        layer["self_attn.o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
     for i in range(cfg.num_layers):
         out |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return out
+
+
+def fused_parts(name: str) -> tuple[str, ...] | None:
+    """The unfused checkpoint names a fused checkpoint tensor stands for, in row order
+    (model.layers.N.self_attn.qkv_proj.weight -> its q, k and v: Phi-3 ships its projections
+    fused, and the GGUF loader maps Phi-3's attn_qkv and ffn_up to these names); None for any
+    other name."""
+    m = _LAYER.fullmatch(name)
+    if not m or m.group(2) not in _FUSED:
+        return None
+    return tuple(f"model.layers.{m.group(1)}.{part}" for part in _FUSED[m.group(2)])
+
+
+def checkpoint_shape(expected: dict[str, tuple[int, ...]], name: str) -> tuple[tuple[int, ...] | None, tuple[str, ...]]:
+    """(the shape a checkpoint tensor must have, the expected names it supplies): a fused tensor
+    stacks its parts' rows; None where `name` is not expected at all."""
+    parts = fused_parts(name)
+    if parts is None:
+        return expected.get(name), (name,)
+    shapes = [expected.get(p) for p in parts]
+    if any(s is None for s in shapes) or len({s[1:] for s in shapes}) != 1:
+        return None, parts
+    return (sum(s[0] for s in shapes), *shapes[0][1:]), parts
+
+
+def split_fused(expected: dict[str, tuple[int, ...]], name: str, w):
+    """[(name, weight)]: a fused checkpoint tensor (checked against checkpoint_shape before)
+    split by rows into its parts, so the rest of the loader sees q, k, v, gate and up alone;
+    any other tensor as it is. `w`: a torch tensor, or native_llama.Blocks (whole rows of blocks)."""
+    parts = fused_parts(name)
+    if parts is None:
+        return [(name, w)]
+    out, start = [], 0
+    for part in parts:
+        rows = expected[part][0]
+        out.append((part, w[start:start + rows] if isinstance(w, torch.Tensor) else w.row_slice(start, start + rows)))
+        start += rows
     return out
 
 

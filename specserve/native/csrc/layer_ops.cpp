@@ -155,6 +155,15 @@ void rmsnorm(int level, const float* x, int64_t ldx, int64_t n, int64_t d, const
   for_rows(n, [&](int64_t t0, int64_t t1) { fn(x + t0 * ldx, ldx, t1 - t0, d, w, eps, y + t0 * ldy, ldy); });
 }
 
+void head_rmsnorm(int level, float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_dim, const float* w,
+                  float eps) {
+  // Each token's heads as `heads` rows of head_dim: the level's own rmsnorm kernel (in place).
+  const RmsnormFn fn = kernels(level).rmsnorm;
+  for_rows(n, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(x + t * ld, head_dim, heads, head_dim, w, eps, x + t * ld, head_dim);
+  });
+}
+
 void rope(int level, float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_dim, const int64_t* pos,
           const float* cos, const float* sin) {
   const RopeFn fn = kernels(level).rope;

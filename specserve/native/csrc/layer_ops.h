@@ -26,6 +26,12 @@ namespace specserve {
 void rmsnorm(int level, const float* x, int64_t ldx, int64_t n, int64_t d, const float* w, float eps, float* y,
              int64_t ldy);
 
+// Per-head RMSNorm in place (Qwen3's q and k norms): for each row t and head h < heads, the
+// head_dim values at x + t * ld + h * head_dim become rmsnorm's output over them with weight
+// w [head_dim], the same arithmetic as rmsnorm with d = head_dim (a multiple of 16).
+void head_rmsnorm(int level, float* x, int64_t ld, int64_t n, int64_t heads, int64_t head_dim, const float* w,
+                  float eps);
+
 // Rotate-half RoPE in place on the first `heads` heads of each row (head h at x + t * ld + h * head_dim):
 //   for i < head_dim / 2, with c = cos[pos[t], i], s = sin[pos[t], i]:
 //     x1 = x[i], x2 = x[i + head_dim / 2];  x[i] = x1 * c - x2 * s;  x[i + head_dim / 2] = x2 * c + x1 * s

@@ -1,10 +1,11 @@
 // A Llama-family model's forward pass in one call: every layer's RMSNorm, fused qkv product,
-// RoPE, KV write, paged attention, o product with the residual, RMSNorm, fused gate/up product,
-// SiLU x up and down product with the residual, then the final norm. The weights stay GGUF blocks
-// (repacked units, qgemm.h); activations are float32 between the kernels and quantized per
-// 32-element block right before each product; keys and values are kept in the cache as IEEE
-// halves (rounded once when written, widened exactly when read). Every kernel computes a token's row from that
-// token's inputs alone, so a token's hidden state never depends on the other tokens in the pass.
+// (Qwen3) per-head RMSNorm of q and k, RoPE, KV write, paged attention, o product with the
+// residual, RMSNorm, fused gate/up product, SiLU x up and down product with the residual, then
+// the final norm. The weights stay GGUF blocks (repacked units, qgemm.h); activations are
+// float32 between the kernels and quantized per 32-element block right before each product;
+// keys and values are kept in the cache as IEEE halves (rounded once when written, widened
+// exactly when read). Every kernel computes a token's row from that token's inputs alone, so a
+// token's hidden state never depends on the other tokens in the pass.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -24,6 +25,7 @@ namespace {
 struct Layer {
   torch::Tensor attn_norm, ffn_norm;  // float32 [hidden]
   Stacked qkv, o, gate_up, down;  // qkv: [q | k | v] rows; gate_up: [gate | up] rows
+  torch::Tensor q_norm, k_norm;  // float32 [head_dim] per-head norms before RoPE (Qwen3), or both undefined
 };
 
 }  // namespace
@@ -47,6 +49,11 @@ class NativeModel {
       TORCH_CHECK(l.o.rows == hidden && l.o.cols == heads * head_dim, "o must be [hidden, heads * head_dim]");
       TORCH_CHECK(l.gate_up.rows == 2 * intermediate && l.gate_up.cols == hidden, "gate_up must be [2 * inter, hidden]");
       TORCH_CHECK(l.down.rows == hidden && l.down.cols == intermediate, "down must be [hidden, intermediate]");
+      TORCH_CHECK(l.q_norm.defined() == l.k_norm.defined(), "q_norm and k_norm come together or not at all");
+      if (l.q_norm.defined()) {
+        check_vector(l.q_norm, head_dim, "q_norm");
+        check_vector(l.k_norm, head_dim, "k_norm");
+      }
     }
     check_vector(final_norm_, hidden, "final_norm");
     TORCH_CHECK(lm_head_.cols == hidden, "lm_head must have hidden columns");
@@ -125,6 +132,10 @@ class NativeModel {
       rmsnorm(lv, xs, hidden_, n, hidden_, L.attn_norm.data_ptr<float>(), eps_, h, hidden_);
       quantize_rows(lv, h, n, hidden_, hidden_, act);
       L.qkv.apply(lv, act, n, nullptr, 0, qkv, qkv_w);
+      if (L.q_norm.defined()) {  // per-head RMSNorm of q and of k, each row alone
+        head_rmsnorm(lv, qkv, qkv_w, n, heads_, head_dim_, L.q_norm.data_ptr<float>(), eps_);
+        head_rmsnorm(lv, qkv + qd, qkv_w, n, kv_heads_, head_dim_, L.k_norm.data_ptr<float>(), eps_);
+      }
       // q and k heads are adjacent in a qkv row, so one call rotates both.
       rope(lv, qkv, qkv_w, n, heads_ + kv_heads_, head_dim_, pos, cos_.data_ptr<float>(), sin_.data_ptr<float>());
       for (int64_t i = 0; i < n; ++i) {
@@ -186,8 +197,14 @@ void register_model(pybind11::module_& m) {
       .def_readonly("units", &QMatrix::units);
   py::class_<Stacked>(m, "Stacked").def(py::init<std::vector<QMatrix>>(), py::arg("parts"));
   py::class_<Layer>(m, "Layer")
-      .def(py::init<torch::Tensor, torch::Tensor, Stacked, Stacked, Stacked, Stacked>(), py::arg("attn_norm"),
-           py::arg("ffn_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"));
+      .def(py::init([](torch::Tensor attn_norm, torch::Tensor ffn_norm, Stacked qkv, Stacked o, Stacked gate_up,
+                       Stacked down, c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm) {
+             return Layer{std::move(attn_norm), std::move(ffn_norm), std::move(qkv),  std::move(o),
+                          std::move(gate_up),   std::move(down),     q_norm ? *q_norm : torch::Tensor(),
+                          k_norm ? *k_norm : torch::Tensor()};
+           }),
+           py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none());
   py::class_<NativeModel>(m, "NativeModel")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, std::vector<Layer>, torch::Tensor, QMatrix,
                     torch::Tensor, torch::Tensor>(),
