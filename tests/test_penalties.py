@@ -235,3 +235,58 @@ def test_penalised_sampling_follows_the_exact_distribution(tiny, exact, spec):
     if spec:  # second tokens came from accepted drafts and from corrections
         stats = LLM.aggregate_spec_stats(outs)
         assert stats.num_drafted > stats.num_accepted > 0
+
+
+# ---- over HTTP ------------------------------------------------------------------------------------
+
+SERVER_SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    from tests.server_helpers import RunningServer
+
+    llm = LLM(loaded=tiny["loaded"], speculative_config=SERVER_SPEC, max_num_seqs=4, max_model_len=128)
+    with RunningServer(llm) as s:
+        yield s
+
+
+@pytest.mark.parametrize("fields", [
+    {"presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.7},
+    {"logit_bias": {"9": 100, "5": -100}},
+    {"logit_bias": {"7": 3.5}, "frequency_penalty": 2, "repetition_penalty": 0.5},
+])
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_penalties_and_logit_bias_over_http_equal_offline(tiny, server, fields, route):
+    import httpx
+
+    offline = LLM(loaded=tiny["loaded"], speculative_config=SERVER_SPEC, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            logit_bias={int(k): float(v) for k, v in fields.get("logit_bias", {}).items()} or None,
+                            **{k: v for k, v in fields.items() if k != "logit_bias"})
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True} | fields
+    if route == "chat":
+        messages = [{"role": "user", "content": "t5 t6 t7 t5 t6 t7"}]
+        want = offline.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body | {"messages": messages}, timeout=60)
+        got = r.json()["choices"][0]["message"]["content"]
+    else:
+        want = offline.generate(["t5 t6 t7 t5 t6 t7"], params, use_tqdm=False)[0].outputs[0].text
+        r = httpx.post(f"{server.url}/v1/completions", json=body | {"prompt": "t5 t6 t7 t5 t6 t7"}, timeout=60)
+        got = r.json()["choices"][0]["text"]
+    assert r.status_code == 200, r.text
+    assert got == want
+    if "logit_bias" in fields and fields["logit_bias"].get("9") == 100:
+        assert got.split() == ["t9"] * 12
+
+
+def test_published_schema_states_the_bounds(server):
+    import httpx
+
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    body = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert body["presence_penalty"]["anyOf"][0].items() >= {"minimum": -2, "maximum": 2}.items()
+    assert body["repetition_penalty"]["anyOf"][0].items() >= {"exclusiveMinimum": 0, "maximum": 2}.items()
+    bias = body["logit_bias"]["anyOf"][0]
+    assert bias["propertyNames"]["pattern"] == "^(0|[1-9]|[1-5][0-9]|6[0-2]|63)$"  # the tiny vocabulary's ids
+    assert bias["additionalProperties"].items() >= {"minimum": -100, "maximum": 100}.items()
