@@ -46,7 +46,8 @@ def test_verify_passes_on_the_real_verifier(models, capsys):
 
 def test_verify_passes_with_penalties(models, capsys):
     """Penalties rewrite each draft row as plain decoding would see it: both checks still pass."""
-    assert main(models + ["--repetition-penalty", "1.8", "--frequency-penalty", "1.5", "--presence-penalty", "-1"]) == 0
+    assert main(models + ["--samples", "800", "--max-tokens", "8",  # (the last of a repeated flag counts)
+                          "--repetition-penalty", "1.8", "--frequency-penalty", "1.5", "--presence-penalty", "-1"]) == 0
     out = capsys.readouterr().out
     assert "greedy: 2/2 prompts identical" in out and "sampled: 2/2 prompts pass" in out
 
