@@ -34,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of each token the output already has, in [-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="times each token's count in the output, subtracted from its logit, in [-2, 2] (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divides positive logits (multiplies negative ones) of tokens in the prompt or output, "
+                        "in (0, 2] (default 1: off)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     engine_args.add_spec_args(g)
@@ -118,7 +125,9 @@ def _generate(args) -> int:
 
     # Validate everything the user typed before spending seconds on loading the model.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty)
     file = load_config_file(args.config)
     spec = engine_args.speculative_config(args, file)
     if args.file is not None:

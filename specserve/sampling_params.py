@@ -22,6 +22,10 @@ MAX_N = 64
 # bound keeps that work (and the request) small. Values are bounded as OpenAI bounds them.
 MAX_LOGIT_BIAS = 4096
 LOGIT_BIAS_RANGE = 100.0
+# Penalty ranges as vLLM (and, for presence and frequency, OpenAI) bound them: presence and
+# frequency in [-2, 2], repetition in (0, 2].
+PENALTY_RANGE = 2.0
+MAX_REPETITION_PENALTY = 2.0
 # Temperatures below this are greedy (vLLM's _SAMPLING_EPS): dividing logits by a tinier one
 # overflows float32 to inf (1e-38 gave NaN probabilities and <|endoftext|> tokens), and long
 # before that the distribution is one-hot at the argmax anyway.
@@ -31,6 +35,10 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token.
+
+    Logits are processed in this order at every position: logit_bias, then repetition_penalty,
+    then frequency_penalty and presence_penalty (sample/processors.py), then temperature and the
+    filters (sample/logits.py). Greedy decoding takes the argmax of the processed logits.
 
     temperature 0, or any temperature below MIN_SAMPLING_TEMPERATURE (1e-5), means greedy
     decoding. top_k 0 (or -1, as in vLLM) disables top-k; top_p 1
@@ -64,9 +72,13 @@ class SamplingParams:
     logprobs: int | None = None
     # vLLM's names. n: completions per prompt (LLM.generate returns them as one output's
     # `outputs`; choice j of a seeded request is seeded seed + j). best_of: None or n (no
-    # ranking of extra samples). The penalties are accepted at their neutral values only.
+    # ranking of extra samples).
     n: int = 1
     best_of: int | None = None
+    # vLLM's penalties (sample/processors.py, Penalties). presence and frequency count the
+    # request's output tokens only: logit -= frequency * count + presence * (count > 0).
+    # repetition acts on every token seen in the prompt or the output: a positive logit is
+    # divided by it, a negative one multiplied. 0, 0 and 1 disable them.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -119,11 +131,16 @@ class SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameterError("best_of", self.best_of, "is not supported by specserve beyond n (choosing "
                                         "the best of extra samples); leave it out or equal to n")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            _check_number(name, value, float)
-            if value != neutral:
-                raise InvalidParameterError(name, value, f"is not supported by specserve yet; only {neutral:g}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_number(name, getattr(self, name), float)
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+                raise InvalidParameterError(name, getattr(self, name),
+                                            f"must be in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 disables it)")
+        _check_number("repetition_penalty", self.repetition_penalty, float)
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidParameterError("repetition_penalty", self.repetition_penalty,
+                                        f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it; above 1 "
+                                        "discourages repeats)")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

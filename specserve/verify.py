@@ -67,6 +67,9 @@ def add_verify_parser(sub) -> None:
                    help="the sampled check's temperature (default 1.0; 0: the greedy check only)")
     v.add_argument("--top-p", type=float, default=1.0)
     v.add_argument("--top-k", type=int, default=0)
+    v.add_argument("--presence-penalty", type=float, default=0.0, help="both checks' presence penalty (default 0)")
+    v.add_argument("--frequency-penalty", type=float, default=0.0, help="both checks' frequency penalty (default 0)")
+    v.add_argument("--repetition-penalty", type=float, default=1.0, help="both checks' repetition penalty (default 1)")
     v.add_argument("--samples", type=int, default=2000, help="sampled requests per prompt, each way (default 2000)")
     v.add_argument("--sample-tokens", type=int, default=3,
                    help="length of the sampled token tuple compared (default 3: the first token precedes any draft)")
@@ -139,6 +142,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise InvalidParameterError(name, value, f"must be an integer in [{lo}, {hi}]")
     if not 0 < args.alpha < 1:
         raise InvalidParameterError("alpha", args.alpha, "must be in (0, 1)")
+    from specserve.sampling_params import SamplingParams
+
+    SamplingParams(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                   repetition_penalty=args.repetition_penalty)  # their ranges
 
 
 def pool_size(loaded, prompt_lens: list[int], args: argparse.Namespace) -> dict[str, int]:
@@ -195,7 +202,9 @@ def run_verify(args: argparse.Namespace) -> int:
     fast = LLM(loaded=loaded, max_num_seqs=SAMPLE_BATCH, block_size=BLOCK_SIZE, speculative_config=spec, **size)
     print(f"verify: {loaded.name} ({loaded.kernels}), speculative_config {spec}, {len(prompts)} prompts")
 
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    penalties = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                     repetition_penalty=args.repetition_penalty)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, **penalties)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     got = fast.generate(prompts, greedy, use_tqdm=False)
     mismatched = []
@@ -212,7 +221,7 @@ def run_verify(args: argparse.Namespace) -> int:
     checks: list[SampledCheck] = []
     if args.temperature > 0:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.sample_tokens, ignore_eos=True)
+                                max_tokens=args.sample_tokens, ignore_eos=True, **penalties)
         n = args.samples
         for i, ids in enumerate(prompts):
             a, _ = sample_tuples(plain, ids, params, 0, n)  # independent draws each way

@@ -26,6 +26,16 @@ def test_generate_streams_text_and_prints_figures(capsys, tiny_model):
     assert "outputs identical: yes" in err
 
 
+def test_generate_with_penalties(capsys, tiny_model):
+    args = ("generate", "t5 t9 t12 t5 t9", "--model", tiny_model, "--max-tokens", "12", "--ignore-eos")
+    code, plain, _ = run_cli(capsys, *args)
+    code2, penalised, _ = run_cli(capsys, *args, "--repetition-penalty", "2", "--frequency-penalty", "2",
+                                  "--presence-penalty", "1", "--speculative", "ngram")
+    assert code == code2 == 0
+    words = penalised.split()  # (a special token, if generated, has no text)
+    assert len(set(plain.split())) < len(plain.split()) and len(set(words)) == len(words) >= 10
+
+
 def test_generate_on_the_embedded_model_with_chat(capsys):
     code, out, err = run_cli(capsys, "generate", "What is 2+2?", "--chat", "--max-tokens", "12")
     assert code == 0 and out.strip()
@@ -37,6 +47,8 @@ def test_generate_on_the_embedded_model_with_chat(capsys):
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
     (["--top-k", "-2"], "top_k"),
+    (["--repetition-penalty", "0"], "repetition_penalty=0.0: must be in (0, 2]"),
+    (["--frequency-penalty", "2.5"], "frequency_penalty=2.5: must be in [-2, 2]"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--speculative", "ngram", "--num-speculative-tokens", "0"], "num_speculative_tokens"),
     (["--speculative", "ngram", "--prompt-lookup-min", "5", "--prompt-lookup-max", "2"], "prompt_lookup"),

@@ -176,7 +176,7 @@ def test_malformed_prompts_are_refused_naming_the_shapes(llm, prompt, match):
 
 def test_vllm_sampling_params_n_and_text_options(llm):
     """n choices per prompt (choice j seeded seed + j, as the server seeds them), include_stop_str_in_output,
-    skip_special_tokens; the penalties and best_of at their neutral values only, refused by name otherwise."""
+    skip_special_tokens; best_of only equal to n, and out-of-range values refused by name."""
     sampled = SamplingParams(temperature=1.0, max_tokens=6, seed=7, n=3, ignore_eos=True)
     out = llm.generate([PROMPT], sampled, use_tqdm=False)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
@@ -191,8 +191,8 @@ def test_vllm_sampling_params_n_and_text_options(llm):
     kept = greedy(llm, max_tokens=8, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
     assert kept.text == cut.text + stop and text.startswith(kept.text)
     SamplingParams(n=2, best_of=2, presence_penalty=0.0, repetition_penalty=1.0, skip_special_tokens=False)
-    for kwargs, param in [({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": 1}, "frequency_penalty"),
-                          ({"repetition_penalty": 1.2}, "repetition_penalty"), ({"n": 2, "best_of": 4}, "best_of"),
+    for kwargs, param in [({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"n": 2, "best_of": 4}, "best_of"),
                           ({"n": 0}, "n"), ({"skip_special_tokens": 1}, "skip_special_tokens")]:
         with pytest.raises(InvalidParameterError, match=param):
             SamplingParams(**kwargs)

@@ -44,6 +44,14 @@ def test_verify_passes_on_the_real_verifier(models, capsys):
     assert out.strip().splitlines()[-1].startswith("PASS")
 
 
+def test_verify_passes_with_penalties(models, capsys):
+    """Penalties rewrite each draft row as plain decoding would see it: both checks still pass."""
+    assert main(models + ["--samples", "800", "--max-tokens", "8",  # (the last of a repeated flag counts)
+                          "--repetition-penalty", "1.8", "--frequency-penalty", "1.5", "--presence-penalty", "-1"]) == 0
+    out = capsys.readouterr().out
+    assert "greedy: 2/2 prompts identical" in out and "sampled: 2/2 prompts pass" in out
+
+
 def test_verify_fails_on_a_broken_acceptance_test(models, capsys, monkeypatch):
     """An acceptance rule that keeps a sampled row's first draft even when the target's race
     rejected it: greedy output is untouched (greedy rows never reach that rule), the sampled law
@@ -92,6 +100,8 @@ def test_verify_fails_when_greedy_output_differs(models, capsys, monkeypatch):
     (["--samples", "10"], "samples=10: must be an integer in [50, 1000000]"),
     (["--sample-tokens", "1"], "sample_tokens=1: must be an integer in [2, 8]"),
     (["--alpha", "2"], "alpha=2.0: must be in (0, 1)"),
+    (["--repetition-penalty", "3"], "repetition_penalty=3.0: must be in (0, 2]"),
+    (["--presence-penalty", "-2.5"], "presence_penalty=-2.5: must be in [-2, 2]"),
     (["--prompts", "/no/such/file.txt"], "is not a file"),
 ])
 def test_bad_arguments_are_refused_before_loading(extra, needle, capsys):

@@ -218,7 +218,7 @@ class LLMEngine:
             num_speculative_tokens=self._request_k(use_speculation, num_speculative_tokens),
             # Draft lengths chosen each step, unless the request asked for its own k.
             adaptive=self.planner is not None and use_speculation and num_speculative_tokens is None,
-            processors=build_processors(params.logit_bias, self.vocab_size),
+            processors=build_processors(params, ids, self.vocab_size),
         )
         if req.num_speculative_tokens:
             req.num_draft_nodes = self.proposer.num_draft_nodes(req.num_speculative_tokens)

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from specserve import __version__
-from specserve.server.errors import APIError, error_response, validation_message
+from specserve.server.errors import APIError, error_response, field_ranges, validation_message
 from specserve.server.metrics import ServerMetrics
 from specserve.server.playground import add_playground
 from specserve.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -50,6 +50,7 @@ _ROUTES = "POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; G
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
+    ranges = {path: field_ranges(body) for path, body in _BODIES.items()}  # named in out-of-range messages
     config = serving.config
     engine = serving.engine
 
@@ -80,7 +81,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics) -> FastAPI:
     async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         body = _BODIES.get(request.url.path)
         required = tuple(n for n, f in body.model_fields.items() if f.is_required()) if body else ()
-        message, param = validation_message(list(e.errors()), required)
+        message, param = validation_message(list(e.errors()), required, ranges.get(request.url.path))
         return error_response(400, message, param)
 
     @app.exception_handler(StarletteHTTPException)

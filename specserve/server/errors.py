@@ -8,6 +8,7 @@ import re
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from specserve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -53,16 +54,38 @@ _BRANCH = re.compile(r"^(str|int|float|bool|constrained-[\w-]+|[\w-]+\[.*\])$")
 # OpenAI (and vLLM) request parameters specserve knows but does not implement yet: a request
 # that sends one is told so, not that the parameter is unknown or out of range.
 NOT_SUPPORTED = frozenset({
-    "functions", "function_call", "response_format", "logit_bias",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "guided_json", "guided_regex", "guided_choice",
+    "functions", "function_call", "response_format",
+    "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "structured_outputs", "best_of", "suffix", "audio", "modalities", "prediction",
     "reasoning_effort", "web_search_options"})
 
 
-def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tuple[str, str | None]:
+def field_ranges(model: type[BaseModel]) -> dict[str, str]:
+    """The body's number fields bounded on both sides in its schema -> their range, "[-2, 2]"
+    or "(0, 2]", which a message about an out-of-range value adds (pydantic names one bound)."""
+    out: dict[str, str] = {}
+    for name, prop in model.model_json_schema()["properties"].items():
+        for s in [prop, *prop.get("anyOf", [])]:
+            lo, hi = s.get("minimum", s.get("exclusiveMinimum")), s.get("maximum", s.get("exclusiveMaximum"))
+            if lo is not None and hi is not None:
+                out[name] = f"{'[' if 'minimum' in s else '('}{_number(lo)}, {_number(hi)}{']' if 'maximum' in s else ')'}"
+                break
+    return out
+
+
+def _number(x: int | float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+_BOUNDS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal"})
+
+
+def validation_message(errors: list[dict], required: tuple[str, ...] = (),
+                       ranges: dict[str, str] | None = None) -> tuple[str, str | None]:
     """pydantic/FastAPI validation errors -> one message naming each bad field (what each
     branch of a union expected, once), and the first field's name as `param`. `required`: the
-    body's required fields, named when the whole body is missing."""
+    body's required fields, named when the whole body is missing; `ranges`: field_ranges of the
+    body, named when a value is out of its range."""
     fields: dict[str | None, list[dict]] = {}
     for e in errors:
         name = ".".join(str(x) for x in e.get("loc", ()) if x != "body" and not _BRANCH.match(str(x))) or None
@@ -72,8 +95,7 @@ def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tu
         e = errs[0]
         kind = e.get("type", "")
         if name in NOT_SUPPORTED:
-            parts.append(f"{name!r} is not supported by specserve yet"
-                         + (" (only 0, the default)" if name.endswith("_penalty") and kind != "extra_forbidden" else ""))
+            parts.append(f"{name!r} is not supported by specserve yet")
         elif kind == "json_invalid":
             parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
         elif kind == "extra_forbidden":
@@ -89,6 +111,8 @@ def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tu
             value = e.get("input")
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             expected = ", or ".join(dict.fromkeys(_expected(x) for x in errs))
+            if ranges and name in ranges and any(x.get("type") in _BOUNDS for x in errs):
+                expected += f" (allowed: {ranges[name]})"
             parts.append(f"invalid {name}={shown}: {expected}")
     if len(fields) > 5:
         parts.append(f"and {len(fields) - 5} more")

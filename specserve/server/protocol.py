@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema
 
 from specserve.config import MAX_SPECULATIVE_TOKENS
-from specserve.sampling_params import MAX_LOGPROBS, MAX_STOP, MAX_TOP_K
+from specserve.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP,
+                                       MAX_TOP_K, PENALTY_RANGE)
 from specserve.server.tool_protocol import (MAX_TOOLS, TOOL_CHOICE_RULES, MessageToolCall, ToolCallDelta, ToolCallOut,
                                             ToolChoice, ToolDefinition)
 
@@ -32,9 +33,10 @@ def model_bound(**bounds: str) -> dict:
     return {"x-model-bounds": bounds}
 
 
-def fill_model_bounds(schema: object, figures: dict[str, int]) -> None:
+def fill_model_bounds(schema: object, figures: dict[str, int | str]) -> None:
     """Replace every model_bound marker in an OpenAPI document (in place) by its keywords with
-    the model's figures: last_token_id, max_new_tokens, max_prompt_tokens, max_speculative_tokens."""
+    the model's figures: last_token_id, max_new_tokens, max_prompt_tokens, max_speculative_tokens,
+    token_id_pattern."""
     if isinstance(schema, dict):
         for keyword, name in schema.pop("x-model-bounds", {}).items():
             schema[keyword] = figures[name]
@@ -43,6 +45,32 @@ def fill_model_bounds(schema: object, figures: dict[str, int]) -> None:
     elif isinstance(schema, list):
         for value in schema:
             fill_model_bounds(value, figures)
+
+
+def token_id_pattern(last: int) -> str:
+    """A regular expression matching the decimal strings of 0..last, without leading zeros
+    (logit_bias's keys: JSON object keys are strings)."""
+    digits = str(last)
+
+    def span(lo: int, hi: int) -> str:
+        return str(lo) if lo == hi else f"[{lo}-{hi}]"
+
+    def any_digits(n: int) -> str:
+        return "" if n == 0 else "[0-9]" if n == 1 else f"[0-9]{{{n}}}"
+
+    # 0, then the shorter numbers, then those as long as `last`: its first i digits, a smaller
+    # digit, any rest; then `last` itself.
+    alternatives = ["0"]
+    if len(digits) == 2:
+        alternatives.append("[1-9]")
+    elif len(digits) > 2:
+        alternatives.append(f"[1-9][0-9]{{0,{len(digits) - 2}}}")
+    for i, d in enumerate(digits):
+        low = 1 if i == 0 else 0
+        if int(d) > low:
+            alternatives.append(f"{digits[:i]}{span(low, int(d) - 1)}{any_digits(len(digits) - i - 1)}")
+    alternatives.append(digits)
+    return "^(" + "|".join(dict.fromkeys(alternatives)) + ")$"
 
 
 def _forbids(fields: dict[str, dict]) -> dict:
@@ -66,6 +94,14 @@ def integer(**constraints):
 Text = Annotated[StrictStr, Field(max_length=_MAX_TEXT)]
 NonEmptyText = Annotated[StrictStr, Field(min_length=1, max_length=_MAX_TEXT)]
 TokenId = integer(ge=0, json_schema_extra=model_bound(maximum="last_token_id"))
+# OpenAI's logit_bias: token ids as JSON object keys (strings), each mapped to a number in
+# [-100, 100]. serving.py converts and checks it (SamplingParams, and the engine's vocabulary);
+# the published schema states the same bounds, with the model's token ids.
+LogitBias = Annotated[dict[StrictStr, StrictFloat], WithJsonSchema({
+    "type": "object", "maxProperties": MAX_LOGIT_BIAS,
+    "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,9})$", **model_bound(pattern="token_id_pattern")},
+    "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_RANGE, "maximum": LOGIT_BIAS_RANGE},
+    "description": "token id (a string key) -> a number in [-100, 100] added to its logit before sampling"})]
 # Bounded by the context: serving.py answers a larger value with the most this prompt allows.
 MaxNewTokens = integer(ge=1, json_schema_extra=model_bound(maximum="max_new_tokens"))
 
@@ -93,8 +129,14 @@ class _SamplingFields(_Strict):
         None, description=f"up to {MAX_STOP} non-empty strings")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: StrictFloat = Field(0.0, ge=0, le=0, description="accepted for compatibility; only 0")
-    frequency_penalty: StrictFloat = Field(0.0, ge=0, le=0, description="accepted for compatibility; only 0")
+    presence_penalty: StrictFloat | None = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE, description=(
+        "subtracted from the logit of every token the output already has; default 0"))
+    frequency_penalty: StrictFloat | None = Field(None, ge=-PENALTY_RANGE, le=PENALTY_RANGE, description=(
+        "times the token's count in the output so far, subtracted from its logit; default 0"))
+    repetition_penalty: StrictFloat | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY, description=(
+        "extension (vLLM): divides positive logits, multiplies negative ones, of tokens in the prompt or the output; "
+        "default 1"))
+    logit_bias: LogitBias | None = None
     user: StrictStr | None = Field(None, max_length=256)
     ignore_eos: StrictBool = Field(False, description="extension")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP, description="extension")

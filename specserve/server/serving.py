@@ -31,7 +31,7 @@ from specserve.server import render
 from specserve.server.errors import APIError, error_body
 from specserve.server.metrics import ServerMetrics
 from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-                                       TokenizeRequest, TokenizeResponse)
+                                       TokenizeRequest, TokenizeResponse, token_id_pattern)
 from specserve.server.tools import ToolPolicy, forcing_fields, offered_tools, tool_policy
 from specserve.tokenizer import Tokenizer
 from specserve.tokenizer.chat import RenderBounds, TemplateBoundsError
@@ -203,11 +203,12 @@ class OpenAIServing:
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise APIError(400, f"the model's chat template rejected these messages: {e}", "messages") from e
 
-    def model_bounds(self) -> dict[str, int]:
+    def model_bounds(self) -> dict[str, int | str]:
         """The served model's figures that bound request fields (protocol.model_bound)."""
         limit = self.config.max_model_len
         return {"last_token_id": self.engine.vocab_size - 1, "max_new_tokens": limit - 1, "max_prompt_tokens": limit - 1,
-                "max_speculative_tokens": MAX_SPECULATIVE_TOKENS if self.engine.speculative else 0}
+                "max_speculative_tokens": MAX_SPECULATIVE_TOKENS if self.engine.speculative else 0,
+                "token_id_pattern": token_id_pattern(self.engine.vocab_size - 1)}
 
     def model_name(self, requested: str | None) -> str:
         names = self.config.served_model_names
@@ -275,7 +276,10 @@ class OpenAIServing:
         base = dict(temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                     min_p=req.min_p or 0.0, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-                    ignore_eos=req.ignore_eos, logprobs=logprobs) | (extra or {})
+                    ignore_eos=req.ignore_eos, logprobs=logprobs,
+                    presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                    logit_bias=logit_bias_ids(req.logit_bias)) | (extra or {})
 
         def make(prompt_index: int, choice: int) -> SamplingParams:
             room = limit - len(prompts[prompt_index][0])
@@ -421,6 +425,18 @@ class OpenAIServing:
         if self.config.log_prompts:
             line += f", prompt {json.dumps([t for _, t in job.prompts])[:500]}"
         logger.info(line)
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, token ids as strings -> SamplingParams' {token id: value}; SamplingParams
+    checks the values and the engine the ids against the vocabulary."""
+    if bias is None:
+        return None
+    bad = next((k for k in bias if not (k.isascii() and k.isdigit()) or (len(k) > 1 and k[0] == "0")), None)
+    if bad is not None:
+        raise APIError(400, f"invalid logit_bias key {bad!r}: keys must be token ids written in decimal (\"42\")",
+                       "logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 def chat_messages(req: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
