@@ -178,3 +178,94 @@ def test_a_grammar_with_no_token_the_model_can_produce_fails_loudly():
     proc = toy_compiler(vocab_size=X).processor(StructuredOutputsParams(regex="x"))
     with pytest.raises(RuntimeError, match="allows no token"):
         proc.apply(torch.zeros(1, X), [], [[]])
+
+
+# ---- end to end on the embedded model ----------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+# The prompt holds JSON to copy, so n-gram drafts come often and some of them break the schema.
+ASK = [{"role": "user", "content": 'Here is a person: {"name": "Ada", "age": 36, "city": "London"}. '
+                                   "Write a JSON object with the name and age of another person."}]
+CHAIN = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+TREE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "num_branches": 3}
+
+
+@pytest.fixture(scope="module")
+def engines(smollm):
+    from specserve.llm import LLM
+
+    return {"plain": LLM(loaded=smollm, max_num_seqs=2), "chain": LLM(loaded=smollm, max_num_seqs=2, speculative_config=CHAIN),
+            "tree": LLM(loaded=smollm, max_num_seqs=2, speculative_config=TREE)}
+
+
+def run(llm, spec: StructuredOutputsParams, max_tokens: int = 40, **sampling):
+    params = SamplingParams(max_tokens=max_tokens, structured_outputs=spec, **{"temperature": 0.0, **sampling})
+    return llm.chat(ASK, params, use_tqdm=False)[0]
+
+
+def test_outputs_belong_to_their_language(engines):
+    out = run(engines["plain"], StructuredOutputsParams(json=SCHEMA)).outputs[0]
+    value = json.loads(out.text)
+    assert out.finish_reason == "stop" and set(value) == {"name", "age"}
+    assert isinstance(value["name"], str) and isinstance(value["age"], int)
+    out = run(engines["plain"], StructuredOutputsParams(regex=r"[A-Z][a-z]+, [0-9]{2}"), max_tokens=16).outputs[0]
+    assert re.fullmatch(r"[A-Z][a-z]+, [0-9]{2}", out.text) and out.finish_reason == "stop"
+    choices = ["London", "Paris", "somewhere else"]
+    out = run(engines["plain"], StructuredOutputsParams(choice=choices), max_tokens=8).outputs[0]
+    assert out.text in choices and out.finish_reason == "stop"
+    assert isinstance(json.loads(run(engines["plain"], StructuredOutputsParams(json_object=True)).outputs[0].text), dict)
+
+
+@pytest.mark.parametrize("spec", [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(json_object=True)],
+                         ids=["json_schema", "json_object"])
+def test_greedy_with_speculation_equals_plain_under_a_grammar(engines, spec):
+    want = run(engines["plain"], spec).outputs[0].token_ids
+    for name in ("chain", "tree"):
+        got = run(engines[name], spec)
+        assert got.outputs[0].token_ids == want, name
+        assert got.spec.num_drafted > 0 and got.spec.num_accepted > 0, name  # speculation ran
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(engines):
+    spec = StructuredOutputsParams(json=SCHEMA)
+    for seed in (3, 11):
+        want = run(engines["plain"], spec, temperature=1.0, seed=seed).outputs[0].token_ids
+        assert run(engines["chain"], spec, temperature=1.0, seed=seed).outputs[0].token_ids == want
+        assert run(engines["tree"], spec, temperature=1.0, seed=seed).outputs[0].token_ids == want
+
+
+def test_a_bad_schema_is_refused_when_the_request_is_added(engines):
+    with pytest.raises(InvalidParameterError) as e:
+        run(engines["plain"], StructuredOutputsParams(json={"type": "nonsense"}))
+    assert e.value.param == "structured_outputs.json"
+    assert not engines["plain"].engine.has_unfinished_requests()
+
+
+def test_response_format_over_http(engines):
+    import httpx
+
+    from tests.server_helpers import RunningServer
+
+    body = {"messages": ASK, "max_tokens": 40, "temperature": 0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    with RunningServer(engines["chain"], name="smollm2") as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body | {"response_format": fmt}, timeout=120)
+        assert r.status_code == 200, r.text
+        value = json.loads(r.json()["choices"][0]["message"]["content"])
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+        r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Three letters:", "max_tokens": 8, "temperature": 0,
+                                                         "guided_regex": "[a-c]{3}"}, timeout=120)
+        assert r.status_code == 200 and re.fullmatch("[a-c]{3}", r.json()["choices"][0]["text"]), r.text
+        bad = {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "nonsense"}}}
+        for extra, param, words in (
+                ({"response_format": bad}, "response_format.json_schema.schema", "does not compile"),
+                ({"response_format": {"type": "xml"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+                ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs its json_schema"),
+                ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "does not compile"),
+                ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+                ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice", "only one")):
+            r = httpx.post(f"{s.url}/v1/chat/completions", json=body | extra, timeout=60)
+            assert r.status_code == 400, (extra, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and words in error["message"], (extra, error)

@@ -53,10 +53,9 @@ _BRANCH = re.compile(r"^(str|int|float|bool|constrained-[\w-]+|[\w-]+\[.*\])$")
 # OpenAI (and vLLM) request parameters specserve knows but does not implement yet: a request
 # that sends one is told so, not that the parameter is unknown or out of range.
 NOT_SUPPORTED = frozenset({
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "response_format", "logit_bias",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structured_outputs", "best_of", "suffix", "audio", "modalities", "prediction",
-    "reasoning_effort", "web_search_options"})
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "logit_bias",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "best_of", "suffix", "audio", "modalities",
+    "prediction", "reasoning_effort", "web_search_options"})
 
 
 def validation_message(errors: list[dict], required: tuple[str, ...] = ()) -> tuple[str, str | None]:
