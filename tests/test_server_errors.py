@@ -70,8 +70,10 @@ CASES = [
     (COMPLETIONS, {"prompt": "t5", "presence_penalty": 0.5}, "presence_penalty", ["not supported by specserve yet",
                                                                                   "only 0"]),
     (CHAT, {"messages": MSG, "frequency_penalty": -1.0}, "frequency_penalty", ["not supported by specserve yet"]),
+    # The tiny model's word-level tokenizer is one the grammar engine cannot read.
     (CHAT, {"messages": MSG, "response_format": {"type": "json_object"}}, "response_format",
-     ["not supported by specserve yet"]),
+     ["not available for this model"]),
+    (CHAT, {"messages": MSG, "response_format": {"type": "yaml"}}, "response_format.type", ["'json_schema'"]),
     (COMPLETIONS, {"prompt": "t5", "logit_bias": {"5": 10}}, "logit_bias", ["not supported by specserve yet"]),
     (COMPLETIONS, {"prompt": "t5", "num_speculative_tokens": 2}, "num_speculative_tokens", ["without speculative"]),
     (COMPLETIONS, {"prompt": ""}, "prompt", ["empty"]),
