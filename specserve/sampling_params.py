@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from specserve.errors import InvalidParameterError
 
@@ -30,6 +30,76 @@ MAX_REPETITION_PENALTY = 2.0
 # overflows float32 to inf (1e-38 gave NaN probabilities and <|endoftext|> tokens), and long
 # before that the distribution is one-hot at the argmax anyway.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+# Bounds of a structured-output spec: the grammar engine compiles it while the request is added
+# (a server does that on its event loop), so the text it compiles stays small.
+MAX_GRAMMAR_CHARS = 1 << 20
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's `StructuredOutputsParams`): set exactly one of
+
+    json: a JSON schema (a dict, or its JSON text); the output is one JSON value it accepts.
+    regex: a regular expression the whole output matches (Rust `regex` syntax).
+    choice: a list of strings; the output is one of them.
+    grammar: a context-free grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`).
+    json_object: True; the output is any JSON object.
+
+    When the output is complete in the language, end of text is the only token allowed, so the
+    request ends with finish_reason "stop" (unless max_tokens or a stop string ends it first).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """The one field that is set ("json", "regex", "choice", "grammar" or "json_object")."""
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        # json_object=False is the same as leaving it out (vLLM's default).
+        return [f.name for f in fields(self) if getattr(self, f.name) is not None
+                and not (f.name == "json_object" and self.json_object is False)]
+
+    def validate(self) -> None:
+        given = self._given()
+        if len(given) != 1:
+            raise InvalidParameterError("structured_outputs", " and ".join(given) or "nothing",
+                                        "set exactly one of json, regex, choice, grammar, json_object")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidParameterError("structured_outputs.json", type(self.json).__name__,
+                                        "must be a JSON schema: a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise InvalidParameterError(f"structured_outputs.{name}", short_repr(value),
+                                            f"must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not 1 <= len(self.choice) <= MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidParameterError("structured_outputs.choice", short_repr(self.choice),
+                                            f"must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise InvalidParameterError("structured_outputs.json_object", self.json_object, "must be true or false")
+
+
+# vLLM's earlier name for the same parameters.
+GuidedDecodingParams = StructuredOutputsParams
+
+
+def short_repr(value: object, limit: int = 80) -> object:
+    """The value, or its repr cut to `limit` characters when longer: for messages about specs
+    that may be large."""
+    text = repr(value)
+    return value if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @dataclass(slots=True)
@@ -87,8 +157,17 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True  # control tokens' text left out of `text`
     include_stop_str_in_output: bool = False  # a stop string that ended the text stays in it
+    # The language the output must belong to (a JSON schema, a regex, choices, a grammar);
+    # `guided_decoding` is vLLM's earlier name for it, moved here when given.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidParameterError("guided_decoding", "both set", "is the older name of structured_outputs; "
+                                            "give only one of them")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
@@ -148,6 +227,11 @@ class SamplingParams:
                 raise InvalidParameterError(name, getattr(self, name), "must be true or false")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", self.ignore_eos, "must be true or false")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidParameterError("structured_outputs", type(self.structured_outputs).__name__,
+                                            "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         if not isinstance(self.stop, list) or len(self.stop) > MAX_STOP:
             raise InvalidParameterError("stop", self.stop, f"must be a list of at most {MAX_STOP} strings")
         for s in self.stop:

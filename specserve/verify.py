@@ -11,6 +11,9 @@ Two checks, one verdict:
   p-values uniform; a broken acceptance rule drives them to 0. A prompt fails when its p-value
   is under `--alpha` divided by the number of prompts (Bonferroni: one verdict for all).
 
+With --json-schema FILE or --regex, both checks run under that structured output (every
+request's logits masked by the grammar, drafts cut where it rejects them).
+
 The first token of a request comes from its prompt's pass, before any draft, so the tuple spans
 at least 3 tokens by default: the later ones are drafted and verified.
 
@@ -24,6 +27,7 @@ half the machine's memory: two such pools once took 18 GB).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -74,6 +78,10 @@ def add_verify_parser(sub) -> None:
     v.add_argument("--sample-tokens", type=int, default=3,
                    help="length of the sampled token tuple compared (default 3: the first token precedes any draft)")
     v.add_argument("--alpha", type=float, default=1e-3, help="the test's level, shared by all prompts (default 1e-3)")
+    grammar = v.add_mutually_exclusive_group()
+    grammar.add_argument("--json-schema", default=None, metavar="FILE",
+                         help="run both checks under structured output: every output a JSON value this schema accepts")
+    grammar.add_argument("--regex", default=None, help="run both checks with every output matching this regex")
 
 
 @dataclass(slots=True)
@@ -132,6 +140,22 @@ def read_prompts(path: str | None, field: str | None) -> list[str]:
     return prompts
 
 
+def read_constraint(args: argparse.Namespace):
+    """The StructuredOutputsParams of --json-schema or --regex, or None."""
+    from specserve.sampling_params import StructuredOutputsParams
+
+    if args.regex is not None:
+        return StructuredOutputsParams(regex=args.regex)
+    if args.json_schema is None:
+        return None
+    file = Path(args.json_schema).expanduser()
+    try:
+        schema = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidParameterError("json_schema", args.json_schema, f"must be a readable JSON file ({e})") from e
+    return StructuredOutputsParams(json=schema)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if args.speculative in (None, "none"):
         raise InvalidParameterError("speculative", args.speculative, "name the method to verify, one of "
@@ -188,6 +212,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
     _check_args(args)
     texts = read_prompts(args.prompts, args.field)  # bad input is refused before the model loads
+    constraint = read_constraint(args)
     spec = engine_args.speculative_config(args, {})
     if args.num_speculative_tokens is None:
         # Adaptive depth may draft little on a given machine; a fixed depth puts every step
@@ -200,11 +225,14 @@ def run_verify(args: argparse.Namespace) -> int:
     size = pool_size(loaded, [len(p) for p in prompts], args)
     plain = LLM(loaded=loaded, max_num_seqs=SAMPLE_BATCH, block_size=BLOCK_SIZE, **size)
     fast = LLM(loaded=loaded, max_num_seqs=SAMPLE_BATCH, block_size=BLOCK_SIZE, speculative_config=spec, **size)
-    print(f"verify: {loaded.name} ({loaded.kernels}), speculative_config {spec}, {len(prompts)} prompts")
+    print(f"verify: {loaded.name} ({loaded.kernels}), speculative_config {spec}, {len(prompts)} prompts"
+          + (f", under structured output ({constraint.kind})" if constraint else ""))
+    if constraint is not None:
+        plain.engine.check_params(SamplingParams(structured_outputs=constraint))  # a bad schema fails before any run
 
     penalties = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
                      repetition_penalty=args.repetition_penalty)
-    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, **penalties)
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, structured_outputs=constraint, **penalties)
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy, use_tqdm=False)]
     got = fast.generate(prompts, greedy, use_tqdm=False)
     mismatched = []
@@ -221,7 +249,7 @@ def run_verify(args: argparse.Namespace) -> int:
     checks: list[SampledCheck] = []
     if args.temperature > 0:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.sample_tokens, ignore_eos=True, **penalties)
+                                max_tokens=args.sample_tokens, ignore_eos=True, structured_outputs=constraint, **penalties)
         n = args.samples
         for i, ids in enumerate(prompts):
             a, _ = sample_tuples(plain, ids, params, 0, n)  # independent draws each way

@@ -24,6 +24,7 @@ from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import BONUS, CORRECTED, DRAFT, PLAIN, CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import PositionNoise, SamplingTensors, verify_flat
+from specserve.sample.grammar import GrammarCompiler
 from specserve.sample.processors import apply_processors, build_processors
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
@@ -110,6 +111,7 @@ class LLMEngine:
         self.runner = ModelRunner.paged(target.model, num_blocks, config.block_size)
         self.scheduler = Scheduler(config, num_blocks)
         self.requests: dict[str, Request] = {}
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size)  # structured output's, compiled once per spec
         # Seeds for requests that bring none: different per request, and the same sequence in
         # every run of an engine with this config's seed.
         self.seeds = random.Random(config.seed)
@@ -193,6 +195,8 @@ class LLMEngine:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise InvalidParameterError(name, bad[:5], f"must name token ids in [0, {self.vocab_size}) (the vocabulary)")
+        if params.structured_outputs is not None:  # a bad schema or regex is refused here, not mid-request
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     prompt: str | None = None, use_speculation: bool = True,
@@ -220,6 +224,8 @@ class LLMEngine:
             adaptive=self.planner is not None and use_speculation and num_speculative_tokens is None,
             processors=build_processors(params, ids, self.vocab_size),
         )
+        if params.structured_outputs is not None:
+            req.processors.append(self.grammars.processor(params.structured_outputs))
         if req.num_speculative_tokens:
             req.num_draft_nodes = self.proposer.num_draft_nodes(req.num_speculative_tokens)
         req.metrics.num_prompt_tokens = len(ids)

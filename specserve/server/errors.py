@@ -54,9 +54,7 @@ _BRANCH = re.compile(r"^(str|int|float|bool|constrained-[\w-]+|[\w-]+\[.*\])$")
 # OpenAI (and vLLM) request parameters specserve knows but does not implement yet: a request
 # that sends one is told so, not that the parameter is unknown or out of range.
 NOT_SUPPORTED = frozenset({
-    "functions", "function_call", "response_format",
-    "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "structured_outputs", "best_of", "suffix", "audio", "modalities", "prediction",
+    "functions", "function_call", "best_of", "suffix", "audio", "modalities", "prediction",
     "reasoning_effort", "web_search_options"})
 
 

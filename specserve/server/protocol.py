@@ -15,8 +15,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, WithJsonSchema
 
 from specserve.config import MAX_SPECULATIVE_TOKENS
-from specserve.sampling_params import (LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_STOP,
-                                       MAX_TOP_K, PENALTY_RANGE)
+from specserve.sampling_params import (LOGIT_BIAS_RANGE, MAX_CHOICES, MAX_GRAMMAR_CHARS, MAX_LOGIT_BIAS, MAX_LOGPROBS,
+                                       MAX_REPETITION_PENALTY, MAX_STOP, MAX_TOP_K, PENALTY_RANGE)
 from specserve.server.tool_protocol import (MAX_TOOLS, TOOL_CHOICE_RULES, MessageToolCall, ToolCallDelta, ToolCallOut,
                                             ToolChoice, ToolDefinition)
 
@@ -114,6 +114,35 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
+GrammarText = Annotated[StrictStr, Field(min_length=1, max_length=MAX_GRAMMAR_CHARS)]
+# A JSON schema: an object, or (vLLM accepts it) its JSON text.
+JsonSchema = dict | GrammarText
+Choices = Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_CHOICES)]
+
+
+class JsonSchemaFormat(_Strict):
+    name: StrictStr = Field(max_length=256)
+    description: StrictStr | None = Field(None, max_length=_MAX_TEXT)
+    # "schema" in the body; named otherwise here, as pydantic models have a `schema` method.
+    schema_: dict | None = Field(None, alias="schema", description="the JSON schema; absent: any JSON object")
+    strict: StrictBool | None = Field(None, description="accepted; the output always follows the schema")
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema (required there)")
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` extension: exactly one of its fields."""
+
+    json_: JsonSchema | None = Field(None, alias="json")  # `json` is a pydantic model method
+    regex: GrammarText | None = None
+    choice: Choices | None = None
+    grammar: GrammarText | None = Field(None, description="a Lark grammar, or llama.cpp's GBNF")
+    json_object: StrictBool | None = None
+
+
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -144,6 +173,14 @@ class _SamplingFields(_Strict):
     num_speculative_tokens: integer(ge=0, le=MAX_SPECULATIVE_TOKENS,
                                     json_schema_extra=model_bound(maximum="max_speculative_tokens")) | None = Field(
         None, description="extension: draft length for this request (0: none; only 0 on a server without speculation)")
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: the output is a JSON object; json_schema: a JSON value its schema accepts")
+    structured_outputs: StructuredOutputsBody | None = Field(
+        None, description="extension (vLLM): constrain the output to a JSON schema, regex, choices or grammar")
+    guided_json: JsonSchema | None = Field(None, description="extension (vLLM's older name): a JSON schema")
+    guided_regex: GrammarText | None = Field(None, description="extension (vLLM's older name)")
+    guided_choice: Choices | None = Field(None, description="extension (vLLM's older name)")
+    guided_grammar: GrammarText | None = Field(None, description="extension (vLLM's older name): Lark or GBNF")
     provenance: StrictBool = Field(
         False, description="extension: each choice also carries `provenance`, its text token by token as [text, "
                            "source] pairs (source: plain, draft, corrected or bonus: how the token came), and "

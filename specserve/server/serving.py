@@ -26,7 +26,7 @@ from specserve.config import MAX_SPECULATIVE_TOKENS
 from specserve.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
 from specserve.errors import InvalidParameterError, PromptError, SpecserveError
 from specserve.outputs import RequestOutput, SpecStats, TextPiece
-from specserve.sampling_params import SamplingParams, choice_seed
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
 from specserve.server import render
 from specserve.server.errors import APIError, error_body
 from specserve.server.metrics import ServerMetrics
@@ -273,21 +273,28 @@ class OpenAIServing:
             raise APIError(400, f"invalid num_speculative_tokens={req.num_speculative_tokens}: this server runs "
                                 "without speculative decoding (start it with --speculative); only 0 is allowed",
                            "num_speculative_tokens")
+        constraint, field = structured_outputs(req)
+        if constraint is not None and extra and "structured_outputs" in extra:
+            raise APIError(400, f"{field} and a forced tool call (tool_choice 'required' or a named function) both "
+                                "constrain the output; send one of them", field)
         base = dict(temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                     min_p=req.min_p or 0.0, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
                     ignore_eos=req.ignore_eos, logprobs=logprobs,
                     presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                    logit_bias=logit_bias_ids(req.logit_bias)) | (extra or {})
+                    logit_bias=logit_bias_ids(req.logit_bias), structured_outputs=constraint) | (extra or {})
 
         def make(prompt_index: int, choice: int) -> SamplingParams:
             room = limit - len(prompts[prompt_index][0])
             try:
                 params = SamplingParams(max_tokens=min(max_tokens or room, room), seed=choice_seed(req.seed, choice),
                                         **base)
-                self.engine.check_params(params)
+                self.engine.check_params(params)  # compiles the grammar: a bad schema or regex is a 400 here
             except InvalidParameterError as e:
+                if field is not None and e.param.startswith("structured_outputs"):
+                    # Named as the client sent it (response_format, guided_json, ...).
+                    raise APIError(400, f"invalid {field}={e.value!r}: {e.allowed}", field) from e
                 raise APIError(400, str(e), e.param) from e
             return params
 
@@ -470,3 +477,39 @@ async def _wait_disconnect(raw: Request) -> None:
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+# vLLM's older request fields, each one kind of StructuredOutputsParams.
+_GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "grammar"))
+
+
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field that set it, as the client named it
+    (response_format's schema, a structured_outputs field or a guided_* field); (None, None)
+    without one. At most one of those fields may be given."""
+    given: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format of type json_schema needs its json_schema object "
+                                "({\"name\": ..., \"schema\": {...}})", "response_format.json_schema")
+        schema = fmt.json_schema.schema_
+        given.append(("response_format.json_schema.schema", {"json": schema} if schema is not None else {"json_object": True}))
+    so = req.structured_outputs
+    if so is not None:
+        kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar, "json_object": so.json_object}
+        set_ = [k for k, v in kinds.items() if v is not None and v is not False]
+        given.append((f"structured_outputs.{set_[0]}" if len(set_) == 1 else "structured_outputs", kinds))
+    given += [(name, {kind: getattr(req, name)}) for name, kind in _GUIDED if getattr(req, name) is not None]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = " and ".join(name.split(".")[0] for name, _ in given)
+        raise APIError(400, f"{names} each constrain the output; give only one of them", given[1][0].split(".")[0])
+    field, kinds = given[0]
+    try:
+        return StructuredOutputsParams(**kinds), field
+    except InvalidParameterError as e:
+        raise APIError(400, str(e), e.param) from e
