@@ -266,6 +266,21 @@ def test_response_format_over_http(engines):
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": "Three letters:", "max_tokens": 8, "temperature": 0,
                                                          "guided_regex": "[a-c]{3}"}, timeout=120)
         assert r.status_code == 200 and re.fullmatch("[a-c]{3}", r.json()["choices"][0]["text"]), r.text
+        # tool_choice naming a function forces a call through the same grammar: the 135M model
+        # would rarely call a tool on its own, here it must, with arguments of the tool's schema.
+        tool = {"type": "function", "function": {"name": "add_person", "description": "Store a person",
+                                                 "parameters": SCHEMA}}
+        forced = body | {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "add_person"}}}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=forced, timeout=120)
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        (call,) = message["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "add_person" and set(args) == {"name", "age"}, message
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=forced | {"response_format": {"type": "json_object"}},
+                       timeout=60)
+        assert r.status_code == 400 and "forced tool call" in r.json()["error"]["message"], r.text
         bad = {"type": "json_schema", "json_schema": {"name": "person", "schema": {"type": "nonsense"}}}
         for extra, param, words in (
                 ({"response_format": bad}, "response_format.json_schema.schema", "does not compile"),
