@@ -295,6 +295,11 @@ class OpenAIServing:
                 if field is not None and e.param.startswith("structured_outputs"):
                     # Named as the client sent it (response_format, guided_json, ...).
                     raise APIError(400, f"invalid {field}={e.value!r}: {e.allowed}", field) from e
+                if extra and "structured_outputs" in extra and e.param.startswith("structured_outputs"):
+                    # The grammar of a forced tool call (its tools' parameters schemas).
+                    raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'naming a function'} "
+                                        f"forces a call through a grammar of the tools' parameters, which failed: "
+                                        f"{e.allowed}", "tool_choice") from e
                 raise APIError(400, str(e), e.param) from e
             return params
 

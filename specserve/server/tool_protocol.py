@@ -9,7 +9,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from specserve import sampling_params
 
 MAX_TOOLS = 128  # OpenAI's limit on the tools of one request
 _MAX_TEXT = 1 << 20
@@ -82,12 +81,8 @@ class ToolCallDelta(ToolCallOut):
 
 # ---- what the schema forbids that pydantic lets through (serving.py answers it 400) ----------
 
-# Whether this build can force a call: tool_choice "required" and a named function constrain the
-# reply to a call's JSON schema through structured output.
-STRUCTURED_OUTPUT = hasattr(sampling_params, "StructuredOutputsParams")
-
 _FORCING = {"required": ["tool_choice"], "properties": {"tool_choice": {"anyOf": [{"const": "required"},
                                                                                   {"type": "object"}]}}}
 # Forcing a call needs tools to call (a named function's name among them is beyond a schema).
-TOOL_CHOICE_RULES = [{"not": _FORCING}] if not STRUCTURED_OUTPUT else [{"not": _FORCING | {"not": {
+TOOL_CHOICE_RULES = [{"not": _FORCING | {"not": {
     "required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}}]

@@ -4,8 +4,8 @@ and generated text turned into OpenAI's tool calls, whole or as stream deltas.
 tool_choice "none" shows the model no tools and reads no calls; "auto" (the default with tools)
 shows them and reads calls from the reply (tokenizer/tool_calls.py). "required" and a named
 function force a call: the reply is constrained to a call's JSON schema (forced_call_schema)
-through structured output, in builds that have it (tool_protocol.STRUCTURED_OUTPUT); elsewhere
-they are answered 400.
+through structured output (sample/grammar.py); a model whose tokenizer the grammar engine cannot
+read answers them 400.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from specserve import sampling_params
 from specserve.server.errors import APIError
-from specserve.server.tool_protocol import STRUCTURED_OUTPUT
 from specserve.tokenizer.tool_calls import ToolCall, ToolCallParser, parse_reply
 
 
@@ -85,9 +84,6 @@ def forcing_fields(req) -> dict:
     if choice != "required" and choice.function.name not in names:
         raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among the "
                             f"tools ({', '.join(map(repr, names))})", "tool_choice")
-    if not STRUCTURED_OUTPUT:
-        raise APIError(400, "tool_choice 'required' / named functions need structured output, not available in "
-                            "this build; use tool_choice 'auto' (the model decides) or 'none'", "tool_choice")
     schema = forced_call_schema(tools, choice if choice == "required" else choice.model_dump())
     return {"structured_outputs": sampling_params.StructuredOutputsParams(json=schema)}
 
