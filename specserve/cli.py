@@ -151,8 +151,9 @@ def _generate(args) -> int:
     engine = engine_args.engine_kwargs(args, file) | {"max_num_seqs": 1}  # one request
     llm = LLM(loaded=loaded, speculative_config=spec, **engine)
     print(f"Loaded {loaded.name} in {time.perf_counter() - t:.1f}s ({loaded.kernels})", file=sys.stderr)
-    if loaded.notice:
-        print(loaded.notice, file=sys.stderr)
+    for note in (loaded.notice, llm.context_note):
+        if note:
+            print(note, file=sys.stderr)
     tok = llm.tokenizer
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": args.prompt}]

@@ -62,12 +62,18 @@ class LLM:
         # The positions the loaded model covers: its context, or less where load_model was
         # given a smaller max_model_len (the default one included).
         context = self.target.model.max_positions
+        # Said on the load line when set: why the context is shorter than the target's.
+        self.context_note: str | None = None
         if max_model_len is None:
             max_model_len = min(context, DEFAULT_MAX_MODEL_LEN)
             if self.spec_config is not None and self.spec_config.method == "draft_model" and self.spec_config.model:
                 # A draft model of a shorter context caps the default (as vLLM does); a
                 # max_model_len given past it is refused by the proposer, naming the draft's.
-                max_model_len = min(max_model_len, model_context(self.spec_config.model))
+                draft_context = model_context(self.spec_config.model)
+                if draft_context < max_model_len:
+                    max_model_len = draft_context
+                    self.context_note = (f"max_model_len {draft_context}: the draft model's context caps the "
+                                         f"target's (give --max-model-len to choose it)")
         if not 2 <= max_model_len <= context:
             raise InvalidParameterError("max_model_len", max_model_len,
                                         f"must be in [2, {context}] (the positions the loaded model covers: its "

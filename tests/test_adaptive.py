@@ -283,22 +283,25 @@ def test_drafting_time_between_and_past_measured_depths():
     assert p.drafting_s(1) == pytest.approx(0.5e-3)
 
 
-def test_reserved_draft_slots_follow_the_planner(tiny, monkeypatch):
-    """Where drafting does not pay, the next step reserves room for 2 drafts (3 after a probe's
-    1), not the cap's 8: unused slots would shrink the prompt chunks sharing the step."""
+def test_steps_take_exactly_the_drafts_the_planner_chose(tiny, monkeypatch):
+    """Drafts live on the request: where drafting does not pay, the planner chooses no drafts
+    or a probe's one, and each step takes exactly the nodes drafted (never the cap's 8 slots,
+    which would shrink the prompt chunks sharing the step)."""
     monkeypatch.setattr(cost_module, "LEARNING_RATE", 0.0)
     llm = tiny_engine(tiny, linear_cost(1e-3, 1e-3))
     engine = llm.engine
     req = engine.add_request("r", tiny_prompts(3)[2], GREEDY)
-    reserved = []
+    taken, drafted = [], []
     orig = engine.scheduler.schedule
 
     def schedule(*args):
         out = orig(*args)
-        reserved.extend(s.num_draft for s in out.decode)
+        for s in out.decode:
+            taken.append(s.num_draft)
+            drafted.append(s.request.num_pending_drafts)
         return out
     monkeypatch.setattr(engine.scheduler, "schedule", schedule)
     while engine.has_unfinished_requests():
         engine.step()
-    assert reserved[0] == AUTO_MAX_SPECULATIVE_TOKENS["ngram"]  # before any choice: the cap
-    assert req.finished and max(reserved[1:]) <= 3 and reserved.count(2) > len(reserved) // 2
+    assert req.finished and taken == drafted
+    assert max(taken) <= 1 and taken.count(0) > len(taken) // 2

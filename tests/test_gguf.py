@@ -33,7 +33,9 @@ def test_prefill_logits_as_accurate_as_transformers(smollm, hf_smollm):
     transformers on the same weights. Both float32 implementations sum in their own kernels'
     orders (specserve: oneDNN-prepacked matrices, transformers: MKL), so each carries float32
     rounding, ~1e-5 RMS and ~1e-4 at worst on logits of ~30 after 30 layers. specserve's error
-    must be of the same order as the reference's own (measured: 1.4x RMS, 1.7x max)."""
+    must be of the same order as the reference's own (measured: 1.4x RMS, 1.7x max on the AMD
+    EPYC; 1.7x RMS, 2.6x max on the Intel Xeon with AMX, whose oneDNN kernels block the sums
+    differently). The max of ~1.5M errors is the noisier of the two figures, hence its wider bound."""
     import copy
 
     ids = smollm.tokenizer.encode_chat(MESSAGES)
@@ -46,7 +48,7 @@ def test_prefill_logits_as_accurate_as_transformers(smollm, hf_smollm):
         ref64 = copy.deepcopy(hf_smollm).double()(torch.tensor([ids])).logits
     err_mine, err_ref = mine.double() - ref64, ref32.double() - ref64
     assert (mine - ref32).abs().max().item() <= 5e-4
-    assert err_mine.abs().max() <= 2 * err_ref.abs().max()
+    assert err_mine.abs().max() <= 3 * err_ref.abs().max()
     assert err_mine.pow(2).mean().sqrt() <= 2 * err_ref.pow(2).mean().sqrt()
     assert torch.equal(mine.argmax(-1), ref64.argmax(-1))
 
@@ -93,11 +95,13 @@ def test_unpermute_inverts_llama_cpp_permutation():
     np.testing.assert_array_equal(_unpermute(permuted, 2), w)
 
 
-def test_missing_and_corrupt_files_give_clear_errors(tmp_path):
+def test_missing_and_corrupt_files_give_clear_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache, whatever this machine's holds
     with pytest.raises(ModelLoadError, match="does not exist") as e:
         load_model(tmp_path / "nope.gguf")
     assert "Hub" not in str(e.value)
-    with pytest.raises(ModelLoadError, match="Hub id: specserve never downloads.*huggingface-cli download "
+    with pytest.raises(ModelLoadError, match="Hub id, and it is not in the local Hugging Face cache .*specserve never "
+                                             "downloads weights: give a local path.*huggingface-cli download "
                                              "HuggingFaceTB/SmolLM2-360M-Instruct"):
         load_model("HuggingFaceTB/SmolLM2-360M-Instruct")
     bad = tmp_path / "bad.gguf"
@@ -132,3 +136,19 @@ def test_unsupported_architecture_and_quantization_are_named(tmp_path):
 
     with pytest.raises(ModelLoadError, match="quantization type Q8_1"):
         _dequantized(Tensor)
+
+
+def test_a_hub_id_in_the_local_hugging_face_cache_loads_from_it(tiny, tmp_path, monkeypatch):
+    """org/name loads the snapshot a Hugging Face download left in the cache (refs/main's
+    revision), and nothing is fetched."""
+    import shutil
+
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(tiny["target"], repo / "snapshots" / "abc123")
+    (repo / "snapshots" / "old000").mkdir()  # another revision, not the one refs/main names
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    loaded = load_model("acme/tiny-llama")
+    assert loaded.config.vocab_size == tiny["loaded"].config.vocab_size
+    assert loaded.config.num_layers == tiny["loaded"].config.num_layers

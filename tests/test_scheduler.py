@@ -31,9 +31,11 @@ class FakeRequest:
     def num_tokens(self):
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    def max_drafts(self, max_model_len):
+    num_pending_drafts: int = 0  # the engine's proposer sets it at the end of a step that sampled
+
+    def propose(self, max_model_len):
         room = min(self.max_new - len(self.output_token_ids), max_model_len - self.num_tokens) - 1
-        return max(0, min(self.num_speculative_tokens, room))
+        self.num_pending_drafts = max(0, min(self.num_speculative_tokens, room))
 
 
 def make(config: EngineConfig, num_blocks: int) -> Scheduler:
@@ -59,6 +61,8 @@ def fake_step(s: Scheduler, accept_drafts: int = 0, check=None, predict=None):
                 if len(r.output_token_ids) >= r.max_new:
                     break
         s.update(sr, committed)  # the scheduler moves the request's progress
+        if sr.samples:  # drafts for the next step, as the engine proposes them
+            r.propose(s.config.max_model_len)
         if len(r.output_token_ids) >= r.max_new:
             r.status = Status.FINISHED
             s.finish(r)
@@ -112,7 +116,7 @@ def test_decodes_go_first_and_mix_with_a_prefill_chunk():
     assert [(sr.request.request_id, sr.num_new_tokens) for sr in out.prefill] == [("b", 15)]
 
 
-def test_speculative_decodes_reserve_draft_slots_within_the_budget():
+def test_speculative_decodes_take_their_drafts_within_the_budget():
     cfg = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False)
     s = make(cfg, 32)
     reqs = [FakeRequest(str(i), prompt(9, seed=i), max_new=20, num_speculative_tokens=4) for i in range(3)]
@@ -291,7 +295,7 @@ def test_a_prompt_always_progresses_by_the_minimum_chunk_and_later_prompts_wait(
     assert first.status is Status.FINISHED and second.status is Status.FINISHED
 
 
-def test_reserved_drafts_count_in_the_step_and_a_second_prompt_gets_what_is_left():
+def test_drafts_count_in_the_step_and_a_second_prompt_gets_what_is_left():
     s = bounded(max_step_ms=20)
     start_decoding(s, num_speculative_tokens=8)
     a = FakeRequest("a", prompt(400, seed=1), max_new=2)
@@ -308,3 +312,36 @@ def test_reserved_drafts_count_in_the_step_and_a_second_prompt_gets_what_is_left
     assert attention_heavy(shape) <= 0.020
     shape.add(1, 1)
     assert attention_heavy(shape) > 0.020
+
+
+def test_a_decode_takes_exactly_its_draft_and_no_slot_for_drafts_that_do_not_exist():
+    """Drafts live on the request: a step takes 1 + the nodes its draft has (none: 1), and a
+    draft larger than what the budget leaves is cut to it."""
+    cfg = EngineConfig(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=6, enable_prefix_caching=False)
+    s = make(cfg, 32)
+    d = FakeRequest("d", prompt(5), max_new=50, num_speculative_tokens=8)
+    s.add(d)
+    fake_step(s)  # prompt and first token; the fake proposer drafts 8
+    d.num_pending_drafts = 0  # the proposer found nothing this time
+    out, _ = fake_step(s)
+    assert [(sr.num_new_tokens, sr.num_draft) for sr in out.decode] == [(1, 0)]
+    assert len(s.kv.block_table("d")) * cfg.block_size >= d.num_computed_tokens + 1
+    d.num_pending_drafts = 3
+    out, _ = fake_step(s)
+    assert [(sr.num_new_tokens, sr.num_draft) for sr in out.decode] == [(1, 3)]
+    d.num_pending_drafts = 8  # more than the budget of 6 leaves: cut to 5
+    out, _ = fake_step(s)
+    assert [(sr.num_new_tokens, sr.num_draft) for sr in out.decode] == [(1, 5)]
+
+
+def test_a_draft_cut_by_the_budget_keeps_its_first_nodes_as_a_tree():
+    from specserve.drafts import DraftTree
+    from specserve.engine.engine import _scheduled_tree
+    from specserve.engine.scheduler import ScheduledRequest
+
+    r = FakeRequest("t", prompt(5), max_new=9, num_speculative_tokens=3, num_computed_tokens=4)
+    r.draft = DraftTree([10, 11, 12, 13, 14], [-1, -1, 0, 1, 2])  # two branches, topological order
+    assert _scheduled_tree(ScheduledRequest(r, 1, 5, decode=True)) == r.draft
+    cut = _scheduled_tree(ScheduledRequest(r, 1, 3, decode=True))
+    assert (cut.token_ids, cut.parents) == ([10, 11, 12], [-1, -1, 0])
+    assert _scheduled_tree(ScheduledRequest(r, 1, 0, decode=True)).num_nodes == 0

@@ -30,8 +30,9 @@ class SpecRequest:
     # its draft for sequence position t races q against the noise the verifier uses at t.
     # None: the global RNG (callers without a request, such as tests; the engine always gives one).
     noise: PositionNoise | None
-    # Tree proposers: the most nodes a tree may have this step (the KV slots reserved for it,
-    # >= num_speculative_tokens); None means num_speculative_tokens. Chain proposers ignore it.
+    # Tree proposers: the most nodes a tree may have this step (within the context, and the
+    # planner's budget for the depth; >= num_speculative_tokens); None means
+    # num_speculative_tokens. Chain proposers ignore it.
     max_nodes: int | None = None
     # How many of token_ids are the request's prompt (the rest its output so far); None when the
     # caller does not say. Proposers that remember answers across requests (suffix) read it.

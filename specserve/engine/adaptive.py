@@ -80,7 +80,7 @@ class PlanRow:
 
     request_id: str
     context: int  # tokens in its cache before this step's root
-    max_depth: int  # the most drafts it may verify this step (slots reserved, room left)
+    max_depth: int  # the most drafts it may verify this step (room left in its max_tokens and the context)
 
 
 @dataclass(slots=True)
@@ -193,7 +193,7 @@ class SpeculationPlanner:
         return max(0.0, t1 + (t1 - t0) / (d1 - d0) * (depth - d1))
 
     def nodes(self, depth: int, slots: int) -> int:
-        """Tree nodes to draft at this depth (chains: the depth), within the slots reserved."""
+        """Tree nodes to draft at this depth (chains: the depth), within `slots` (the most the context allows)."""
         return min(slots, max(depth, math.ceil(depth * self.tokens_per_depth)))
 
     # ---- learning ---------------------------------------------------------------------------

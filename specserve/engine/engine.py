@@ -25,14 +25,13 @@ from specserve.model.loader import LoadedModel
 from specserve.outputs import BONUS, CORRECTED, DRAFT, PLAIN, CompletionOutput, RequestOutput, TokenLogprob
 from specserve.sample import PositionNoise, SamplingTensors, verify_flat
 from specserve.sample.grammar import GrammarCompiler
-from specserve.sample.processors import apply_processors, build_processors
+from specserve.sample.processors import apply_processors, build_processors, keep_nodes
 from specserve.sample.typical import TypicalAcceptance
 from specserve.sampling_params import SamplingParams
 from specserve.spec.proposer import Proposer
 from specserve.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger("specserve.engine")
-MAX_DRAFT_SLOTS = 1 << 30  # no bound: Planner.nodes' own cap is the depth's node count
 
 
 @dataclass(slots=True)
@@ -57,8 +56,7 @@ class _Computed:
     # The last token replaced a rejected draft (the accepted path's end had children), rather
     # than following a path accepted to its end (bonus) or a step with no drafts (plain).
     corrected: bool = False
-    proposer_time_s: float = 0.0  # this request's share of the step's drafting and target time
-    target_time_s: float = 0.0
+    target_time_s: float = 0.0  # this request's share of the step's target pass
     # [1 + num_draft] argmax of the raw logits at the root and each node, for proposers with
     # needs_node_predictions; None otherwise.
     node_predictions: list[int] | None = None
@@ -123,6 +121,7 @@ class LLMEngine:
             width = self.proposer.num_draft_nodes(self.num_speculative_tokens) / self.num_speculative_tokens
             self.planner = SpeculationPlanner(cost, self.num_speculative_tokens, tokens_per_depth=width)
         self.num_steps = 0
+        self._drafting_s = 0.0  # seconds the last proposal took (the next pass verifies its drafts)
 
     @property
     def cost(self) -> PassCostModel | None:
@@ -303,22 +302,19 @@ class LLMEngine:
         """The request's share computed in a batch of its own, from the state the step began
         in: nothing was committed, and the failed pass wrote KV only past computed lengths,
         where this pass writes again. Its noise depends only on (seed, position), so it draws
-        the same numbers; the proposer's state, which a failed proposal may have left
-        half-updated, is dropped and rebuilt from the committed tokens."""
+        the same numbers; it verifies the same draft."""
         try:
-            if s.decode:
-                self._forget_drafts(s.request)
             return self._compute([s], learn=False)[0]
         except Exception as e:
             return e
 
     def _compute(self, scheduled: list[ScheduledRequest], learn: bool) -> list[_Computed]:
-        """propose -> one forward pass -> verify, for these requests. Request i computes its
-        uncomputed tokens (a prompt chunk, or the last token: the root) plus its draft tree's
-        nodes; a request that samples this step gets logits at its last token and every node."""
+        """One forward pass -> verify, for these requests. Request i computes its uncomputed
+        tokens (a prompt chunk, or the last token: the root) plus the nodes of the draft it
+        carries (proposed at the end of its last step); a request that samples this step gets
+        logits at its last token and every node."""
         reqs = [s.request for s in scheduled]
-        t0 = time.perf_counter()
-        trees, deepest = self._propose(scheduled)
+        trees = [_scheduled_tree(s) for s in scheduled]
         t1 = time.perf_counter()
         starts = [r.num_computed_tokens for r in reqs]
         tokens = [r.all_token_ids[c:c + s.num_new_tokens] + t.token_ids for r, s, c, t in zip(reqs, scheduled, starts, trees)]
@@ -364,7 +360,8 @@ class LLMEngine:
             for c, toks in zip(starts, tokens):
                 shape.add(len(toks), c)
             if self.planner is not None:
-                self.planner.observe_step(shape, t2 - t1, t1 - t0, deepest)
+                drafted = [t.max_depth for t in trees]
+                self.planner.observe_step(shape, t2 - t1, self._drafting_s if any(drafted) else 0.0, max(drafted))
             else:
                 self.cost.observe(shape, t2 - t1)
         decoding = [s.decode for s in scheduled]
@@ -387,77 +384,92 @@ class LLMEngine:
             if argmax is not None and i in emitted:
                 c.node_predictions = argmax[fwd.logit_start[i]:fwd.logit_start[i + 1]]
             if s.decode:
-                c.proposer_time_s, c.target_time_s = (t1 - t0) / share, (t2 - t1) / share
+                c.target_time_s = (t2 - t1) / share
             computed.append(c)
         return computed
 
-    def _propose(self, scheduled: list[ScheduledRequest]) -> tuple[list[DraftTree], int]:
-        """Draft trees for the step's requests (empty for prompt chunks and plain steps), and
-        the deepest. A request drafts within the slots the scheduler reserved (Request.max_drafts,
-        cut to the step's token budget): at most that many nodes, depth at most
-        Request.max_depth; adaptive requests draft the depth the planner chose. Chains come
-        back as one-path trees. Proposers start tracking a request on its first proposal."""
-        trees = [DraftTree.empty() for _ in scheduled]
+    def _propose(self, scheduled: list[ScheduledRequest]) -> None:
+        """Draft the next step's trees, at the end of this one, for every speculative request
+        that sampled and goes on: each within its node budget (Request.max_draft_nodes), depth
+        at most Request.max_depth; adaptive requests draft the depth the planner chooses for
+        the next pass (estimated as this step's, its drafts left out). Chains come back as
+        one-path trees. Proposers start tracking a request on its first proposal. A batch the
+        proposer fails on is drafted again request by request, failing only the one it fails for."""
+        self._drafting_s = 0.0
         mml = self.config.max_model_len
-        rows = [i for i, s in enumerate(scheduled)
-                if s.decode and s.num_draft > 0 and s.request.num_speculative_tokens > 0]
+        rows = [s for s in scheduled if s.samples and not s.request.finished and s.request.num_speculative_tokens > 0]
         if not rows:
-            return trees, 0
-        depths = {i: min(scheduled[i].request.max_depth(mml), scheduled[i].num_draft) for i in rows}
-        planned = [i for i in rows if scheduled[i].request.adaptive]
+            return
+        depths = {s.request.request_id: s.request.max_depth(mml) for s in rows}
+        planned = [s.request for s in rows if s.request.adaptive and depths[s.request.request_id] > 0]
         if planned and self.planner is not None:
             base = PassShape(0)
             for s in scheduled:
-                base.add(s.num_new_tokens, s.request.num_computed_tokens)
-            plan = self.planner.plan(base, [PlanRow(scheduled[i].request.request_id, scheduled[i].request.num_computed_tokens,
-                                                    depths[i]) for i in planned])
-            depths.update(zip(planned, plan.depths))
-            # The next step reserves what this choice could grow to, not the whole cap: unused
-            # reservations shrink prompt chunks sharing the step (measured: 9 prompt steps
-            # instead of 3 at 16 in flight) and hold pool blocks.
-            grow = 2
-            for i, d in zip(planned, plan.depths):
-                scheduled[i].request.draft_reserve = self.planner.nodes(min(self.num_speculative_tokens, d + grow),
-                                                                       MAX_DRAFT_SLOTS)
-        rows = [i for i in rows if depths[i] > 0]
-        if not rows:
-            return trees, 0
+                r = s.request
+                if not r.finished:  # the next step: each decode's root, each prompt a chunk like this one
+                    base.add(1 if s.samples else s.num_new_tokens, r.num_computed_tokens)
+            plan = self.planner.plan(base, [PlanRow(r.request_id, r.num_computed_tokens, depths[r.request_id])
+                                            for r in planned])
+            depths.update((r.request_id, d) for r, d in zip(planned, plan.depths))
         batch = []
-        for i in rows:
-            r, slots = scheduled[i].request, scheduled[i].num_draft
-            nodes = self.planner.nodes(depths[i], slots) if r.adaptive and self.planner is not None else slots
-            batch.append(SpecRequest(r.request_id, r.all_token_ids, depths[i], r.params, r.noise, max_nodes=nodes,
-                                     num_prompt_tokens=len(r.prompt_token_ids)))
+        for s in rows:
+            r, depth = s.request, depths[s.request.request_id]
+            if depth > 0:
+                slots = r.max_draft_nodes(mml)
+                nodes = self.planner.nodes(depth, slots) if r.adaptive and self.planner is not None else slots
+                batch.append(SpecRequest(r.request_id, r.all_token_ids, depth, r.params, r.noise, max_nodes=nodes,
+                                         num_prompt_tokens=len(r.prompt_token_ids)))
+        if not batch:
+            return
+        t0 = time.perf_counter()
+        try:
+            trees = self._draft(batch)
+        except Exception as e:
+            logger.warning("proposer %r failed on a batch of %d request(s) (%s: %s); drafting each alone to find "
+                           "the one it failed for", self.proposer.name, len(batch), type(e).__name__, e)
+            trees = [self._guarded(self.requests[sr.request_id], self._draft, [sr]) for sr in batch]
+            trees = [t[0] if t else None for t in trees]
+        self._drafting_s = time.perf_counter() - t0
+        for sr, tree in zip(batch, trees):
+            r = self.requests[sr.request_id]
+            r.spec.proposer_time_s += self._drafting_s / len(batch)
+            if tree is not None and not r.finished:
+                r.draft = self._guarded(r, _pruned, tree, r)
+
+    def _draft(self, batch: list[SpecRequest]) -> list[DraftTree]:
+        """The proposer's trees for `batch`, checked against each request's bounds."""
         proposal = self.proposer.propose(batch)
         if isinstance(proposal, DraftProposal):
             proposal = proposal.as_trees()
-        for i, tree, sr in zip(rows, proposal.trees, batch):
+        for tree, sr in zip(proposal.trees, batch):
             if tree.num_nodes > sr.max_nodes or tree.max_depth > sr.num_speculative_tokens:
                 raise RuntimeError(f"proposer {self.proposer.name!r} drafted a tree of {tree.num_nodes} nodes and depth "
                                    f"{tree.max_depth} for request {sr.request_id!r}, which may have {sr.max_nodes} nodes "
                                    f"and depth {sr.num_speculative_tokens}")
-            for proc in scheduled[i].request.processors:  # e.g. a grammar cuts drafts it rejects
-                tree = proc.prune(tree, scheduled[i].request.all_token_ids)
-            trees[i] = tree
-        return trees, max(depths[i] for i in rows)
+        return list(proposal.trees)
 
     def update(self, sched: SchedulerOutput, computed: list[_Computed | Exception]) -> list[RequestOutput]:
         """Commit each request's share, hand its progress to the scheduler, and return the
         outputs of requests that sampled or finished."""
         feedback = VerifyFeedback([], [], [], [], [], [] if self.keep_predictions else None)
-        outputs = []
         for s, c in zip(sched.scheduled, computed):
             r = s.request
+            r.draft = None  # verified now, or (a prompt chunk) there was none
             if isinstance(c, Exception):
                 self._fail(r, c)
                 committed = 0
             else:
                 committed = self._guarded(r, self._commit, s, c, feedback) or 0
             self._guarded(r, self.scheduler.update, s, committed)
+        self._observe(feedback)
+        if self.proposer is not None:
+            self._propose(sched.scheduled)
+        outputs = []
+        for s in sched.scheduled:
+            r = s.request
             if s.samples or r.finished:
                 # A failed request's output reads no parameter, so it cannot fail again.
                 outputs.append(self._guarded(r, self._output, r) or self._output(r))
-        self._observe(feedback)
         for s in sched.scheduled:
             if s.request.finished:
                 self._release(s.request)
@@ -486,7 +498,6 @@ class LLMEngine:
         # A tree counts its depth as drafted (the most one pass can accept), so acceptance
         # by position reads as acceptance by depth.
         r.spec.record(c.depth, accepted, accepted + 1)
-        r.spec.proposer_time_s += c.proposer_time_s
         r.spec.target_time_s += c.target_time_s
         if self.planner is not None and c.depth:
             self.planner.observe_verification(r.request_id, c.depth, accepted, c.num_draft)
@@ -530,7 +541,8 @@ class LLMEngine:
         req.fail(f"{type(error).__name__}: {error}")
 
     def _forget_drafts(self, req: Request) -> None:
-        """Drop the proposer's state of a request (finished, preempted, or computed again)."""
+        """Drop the proposer's state of a request and its draft (finished or preempted)."""
+        req.draft = None
         if self.planner is not None:
             self.planner.forget(req.request_id)
         if not (self.proposer and req.num_speculative_tokens):
@@ -578,3 +590,21 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: int) ->
     top_v, top_i = lp.topk(num_top, dim=-1) if num_top else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     return [TokenLogprob(t, c, tuple(zip(ids, vals))) for t, c, ids, vals in zip(tokens, chosen, top_i, top_v)]
+
+
+def _scheduled_tree(s: ScheduledRequest) -> DraftTree:
+    """The draft a scheduled request verifies: its first s.num_draft nodes (all of them unless
+    the step's token budget cut it; a parent comes before its children, so they are a tree)."""
+    tree = s.request.draft
+    if not s.decode or not s.num_draft or tree is None:
+        return DraftTree.empty()
+    if s.num_draft >= tree.num_nodes:
+        return tree
+    return keep_nodes(tree, [n < s.num_draft for n in range(tree.num_nodes)])
+
+
+def _pruned(tree: DraftTree, r: Request) -> DraftTree:
+    """The tree less what the request's logits processors rule out (e.g. a grammar)."""
+    for proc in r.processors:
+        tree = proc.prune(tree, r.all_token_ids)
+    return tree

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from specserve.drafts import DraftTree
 from specserve.outputs import PLAIN, RequestMetrics, SpecStats, TextPiece, TokenLogprob
 from specserve.sample.noise import PositionNoise
 from specserve.sample.processors import LogitsProcessor
@@ -36,15 +37,15 @@ class Request:
     detokenizer: IncrementalDetokenizer
     eos_token_ids: frozenset[int]
     num_speculative_tokens: int = 0  # 0: plain decoding for this request; a tree proposer's depth
-    # Draft slots a step reserves when the proposer drafts token trees: its node budget
-    # (Proposer.num_draft_nodes). 0 for chains, which reserve num_speculative_tokens.
+    # The most nodes a draft tree of full depth may have: the proposer's node budget
+    # (Proposer.num_draft_nodes); 0 for chains, which have num_speculative_tokens.
     num_draft_nodes: int = 0
     # True: each step drafts the depth the engine's planner chooses, 0..num_speculative_tokens.
     adaptive: bool = False
-    # Adaptive requests: the most draft slots the next step reserves (the planner's last depth
-    # plus room to grow), so that slots it will not draft into stay in the step's token budget
-    # and the pool. None: every slot max_drafts allows.
-    draft_reserve: int | None = None
+    # The drafts its next decode step verifies, proposed at the end of the step that committed
+    # its last token (vLLM v1's shape): the scheduler gives that step exactly 1 + its nodes, so
+    # no slot is held for drafts that do not exist. None: the next step decodes plainly.
+    draft: DraftTree | None = None
     # Rules applied to its target logits at every scored position (sample/processors.py):
     # logit_bias, penalties, grammars; empty for most requests.
     processors: list[LogitsProcessor] = field(default_factory=list)
@@ -79,15 +80,19 @@ class Request:
         room = min(self.params.max_tokens - len(self.output_token_ids), max_model_len - self.num_tokens) - 1
         return max(0, min(self.num_speculative_tokens, room))
 
-    def max_drafts(self, max_model_len: int) -> int:
-        """Draft slots to reserve now: max_depth for a chain; a tree adds its other branches'
-        nodes, within the context (every slot of the pass stays below max_model_len)."""
+    def max_draft_nodes(self, max_model_len: int) -> int:
+        """The most nodes a draft may have now: max_depth for a chain; a tree adds its other
+        branches' nodes, within the context (every slot of the pass stays below max_model_len)."""
         depth = self.max_depth(max_model_len)
         if depth == 0:
             return 0
         branches = max(0, self.num_draft_nodes - self.num_speculative_tokens)
-        slots = depth + min(branches, max_model_len - self.num_tokens - depth)
-        return slots if self.draft_reserve is None else min(slots, self.draft_reserve)
+        return depth + min(branches, max_model_len - self.num_tokens - depth)
+
+    @property
+    def num_pending_drafts(self) -> int:
+        """Nodes of the draft its next decode step verifies (0: none)."""
+        return self.draft.num_nodes if self.draft is not None else 0
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,8 @@ a decode is one token plus drafts, and a request preempted by recompute simply s
 0 with its generated tokens counted as prompt.
 
 Policy, per step, under `max_num_batched_tokens` and `max_num_seqs`:
-  1. running requests first, in arrival order: a decode takes 1 + its drafts, a prompt the next
+  1. running requests first, in arrival order: a decode takes 1 + the nodes of the draft it
+     carries (proposed at the end of its last step; cut to the budget), a prompt the next
      chunk that fits the budget. When the pool is out of blocks, the most recently admitted
      running request is preempted (its blocks freed, its computed length reset) until the
      request fits; no request is admitted in a step that preempted.
@@ -47,7 +48,9 @@ MIN_PROMPT_CHUNK = 16
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
-    num_draft: int = 0  # drafts (chain tokens or tree nodes) it may verify this step (decode only), slots reserved
+    # Drafts (chain tokens or tree nodes) it verifies this step (decode only): its draft's first
+    # num_draft nodes (a parent comes before its children, so they form a tree), slots allocated.
+    num_draft: int = 0
     decode: bool = False  # computes only the last token (+ drafts), then samples; else a prompt chunk
     # Whether this step reaches the request's last token, so that it samples a new one (fixed
     # when scheduled: the update moves the request's progress).
@@ -107,7 +110,7 @@ class Scheduler:
             req = self.running[i]
             to_compute = req.num_tokens - req.num_computed_tokens
             if to_compute == 1:
-                n, drafts = 1, min(req.max_drafts(self.config.max_model_len), budget - 1)
+                n, drafts = 1, min(req.num_pending_drafts, budget - 1)
             else:
                 n, drafts = min(to_compute, budget), 0
                 if limit is not None:
@@ -185,7 +188,7 @@ class Scheduler:
 @dataclass(slots=True)
 class _StepLimit:
     """The step-time bound of one `schedule` call: the pass so far (every decoding request's
-    token and reserved drafts, then each prompt chunk as it is chosen) and its prediction."""
+    token and drafts, then each prompt chunk as it is chosen) and its prediction."""
 
     predict: Callable[[PassShape], float]
     seconds: float
@@ -194,13 +197,13 @@ class _StepLimit:
     @classmethod
     def of(cls, scheduler: Scheduler, predict: Callable[[PassShape], float] | None) -> "_StepLimit | None":
         """None unless the bound is on and some running request decodes this step."""
-        ms, mml = scheduler.config.max_step_ms, scheduler.config.max_model_len
+        ms = scheduler.config.max_step_ms
         if predict is None or not ms:
             return None
         shape = PassShape(0)
         for r in scheduler.running:
             if r.num_tokens - r.num_computed_tokens == 1:
-                shape.add(1 + r.max_drafts(mml), r.num_computed_tokens)
+                shape.add(1 + r.num_pending_drafts, r.num_computed_tokens)
         return cls(predict, ms / 1e3, shape) if shape.num_tokens else None
 
     def chunk(self, context: int, most: int, first: bool) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,30 @@ def default_model_path() -> Path:
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
+def hub_cache_dir() -> Path:
+    """Where the Hugging Face libraries keep downloaded repositories: $HF_HUB_CACHE, else
+    $HF_HOME/hub, else ~/.cache/huggingface/hub (their documented order)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def cached_hub_snapshot(model_id: str) -> Path | None:
+    """The local snapshot of Hub model `org/name` that a Hugging Face download left in the
+    cache (models--org--name/snapshots/<revision>, the revision refs/main names, else the only
+    or newest one), or None. Nothing is fetched."""
+    repo = hub_cache_dir() / ("models--" + model_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    found = [p for p in snapshots.iterdir() if p.is_dir()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
     if model is None or str(model) == "default":
         return default_model_path()
@@ -72,8 +97,12 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if not path.exists():
         hub = ""
         if _HUB_ID.fullmatch(str(model)):  # org/name: what users of the Hub type
-            hub = (f" It looks like a Hugging Face Hub id: specserve never downloads; fetch the model first (for "
-                   f"example `huggingface-cli download {model} --local-dir DIR`) and pass the folder.")
+            cached = cached_hub_snapshot(str(model))
+            if cached is not None:
+                return cached
+            hub = (f" It looks like a Hugging Face Hub id, and it is not in the local Hugging Face cache "
+                   f"({hub_cache_dir()}): specserve never downloads weights: give a local path (fetch the model "
+                   f"first, for example `huggingface-cli download {model} --local-dir DIR`, and pass the folder).")
         raise ModelLoadError(f"model path {str(model)!r} does not exist; give a Hugging Face model folder, a .gguf "
                              f"file, or 'default'.{hub}")
     return path

@@ -104,6 +104,8 @@ def run_serve(args) -> int:
              loaded.kernels, spec["method"] if spec else "none", llm.kv_budget.describe())
     if loaded.notice:
         log.warning(loaded.notice)
+    if llm.context_note:
+        log.info(llm.context_note)
     log.info("serving %s on http://%s:%d/v1", ", ".join(config.served_model_names), host, port)
     if config.ui:
         log.info("playground: http://%s:%d/ (off with --no-ui)", host, port)

@@ -1,4 +1,4 @@
-"""Draft-model proposer: a smaller model of the same tokenizer family drafts k tokens
+"""Draft-model proposer: a smaller model of the same tokenizer drafts k tokens
 autoregressively on its own paged KV cache. A sampled request's draft for sequence position t is
 race(q_t, E_t) with the request's own noise at t, the noise the verifier races the target's p_t
 with (a Gumbel-max coupling): the draft is accepted exactly when the two races agree, so the
@@ -6,6 +6,7 @@ verifier needs no draft probabilities."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,26 +23,22 @@ from specserve.drafts import DraftProposal, SpecRequest
 from specserve.spec.proposer import Proposer
 from specserve.spec.registry import MethodSpec
 
+logger = logging.getLogger("specserve.spec")
 
-def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
-    """Draft and target must agree on every token id, or q and p describe different tokens."""
+
+def vocabulary_difference(draft: LoadedModel, target: LoadedModel) -> str | None:
+    """Why draft and target token ids do not name the same tokens (None: they do, so q and p
+    describe the same tokens and drafts pass between them as ids)."""
     dv, tv = draft.config.vocab_size, target.config.vocab_size
     if dv != tv:
-        raise InvalidParameterError(
-            "speculative_config.model", str(draft.path),
-            f"the draft model's vocabulary has {dv} tokens but the target's has {tv}; "
-            "a draft model must use the target's tokenizer",
-        )
+        return f"the draft model's vocabulary has {dv} tokens but the target's has {tv}"
     dt, tt = draft.tokenizer, target.tokenizer
     n = min(dt.vocab_size, tt.vocab_size)
     probe = sorted(set(range(0, n, max(1, n // 512))) | set(dt.eos_token_ids) | set(tt.eos_token_ids))
     diff = [i for i in probe if dt.id_to_token(i) != tt.id_to_token(i)]
     if dt.vocab_size != tt.vocab_size or diff:
-        raise InvalidParameterError(
-            "speculative_config.model", str(draft.path),
-            f"the draft model's tokenizer differs from the target's (e.g. token id {diff[0] if diff else n}); "
-            "a draft model must use the target's tokenizer",
-        )
+        return f"the draft model's tokenizer differs from the target's (e.g. token id {diff[0] if diff else n})"
+    return None
 
 
 class DraftModelProposer(Proposer):
@@ -54,8 +51,11 @@ class DraftModelProposer(Proposer):
 
     name = "draft_model"
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig):
-        check_same_vocabulary(draft, target)
+    def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig, same_vocabulary: bool = True):
+        """same_vocabulary=False: the caller maps tokens across vocabularies itself (cross_vocab.py)."""
+        if same_vocabulary and (why := vocabulary_difference(draft, target)):
+            raise InvalidParameterError("speculative_config.model", str(draft.path),
+                                        f"{why}; a draft model must use the target's tokenizer here")
         if draft.model.max_positions < engine.max_model_len:
             raise InvalidParameterError(
                 "max_model_len", engine.max_model_len,
@@ -176,7 +176,7 @@ class DraftModelOptions:
 
 
 def _build(options: DraftModelOptions, model: str | None, target: LoadedModel,
-           engine: EngineConfig) -> DraftModelProposer:
+           engine: EngineConfig) -> Proposer:
     # The draft runs on the target's path: the native kernels for a native target (its own
     # blocks if it is a quantized GGUF, else the target's int8 / int4), else the torch path in
     # the target's dtype.
@@ -187,7 +187,13 @@ def _build(options: DraftModelOptions, model: str | None, target: LoadedModel,
     else:
         draft = load_model(model, dtype=target.model.dtype, device=target.model.device, quantization="none",
                            max_model_len=engine.max_model_len)
-    return DraftModelProposer(draft, target, engine)
+    why = vocabulary_difference(draft, target)
+    if why is None:
+        return DraftModelProposer(draft, target, engine)
+    from specserve.spec.cross_vocab import CrossVocabularyProposer  # (it builds on this module)
+
+    logger.info("%s: drafting through text (re-tokenized each step; lossless, see spec/cross_vocab.py)", why)
+    return CrossVocabularyProposer(draft, target, engine)
 
 
 # A draft model drafts one token per small pass, so its cap is lower than n-gram's.

@@ -9,8 +9,9 @@ what verification kept in a `VerifyFeedback`, which adaptive proposers use to tu
 The contract, per request, in the order the engine keeps:
   - `propose` sees only committed tokens. A chain has at most `num_speculative_tokens` drafts; a
     tree at most `max_nodes` nodes and depth `num_speculative_tokens`. A proposer that returns
-    trees declares its node budget per step through `num_draft_nodes`, so that the scheduler
-    reserves that many KV slots.
+    trees declares its node budget per step through `num_draft_nodes`. The engine proposes at
+    the end of a step, for the next: the request carries the drafts, and the next step takes
+    exactly their KV slots.
   - Hidden states, only for proposers with `needs_hidden_states = True` (EAGLE, Medusa):
     `observe_hidden(request_id, start_position, hidden)` with hidden [T, H] (model dtype, on the
     target's device; may be views of a step's buffer) = the target's final hidden states
@@ -69,7 +70,7 @@ class Proposer(ABC):
         """A request finished, was aborted or preempted: drop whatever is held for it."""
 
     def num_draft_nodes(self, num_speculative_tokens: int) -> int:
-        """Draft slots one step of a request with this k reserves: k for chains; a tree
+        """The most nodes one draft of a request with this k may have: k for chains; a tree
         proposer returns its node budget (at least k, the tree's depth)."""
         return num_speculative_tokens
 
