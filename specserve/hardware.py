@@ -173,10 +173,13 @@ QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", *LOAD_FORMATS)
 
 def native_level() -> int | None:
     """The CPU level to run specserve's native kernels at, or None when they are unavailable
-    (not built: the reason is printed once by specserve.native.load)."""
+    (not built: the reason is printed once by specserve.native.load). AMX also needs the
+    operating system to grant the process its tile registers (Linux 5.16+ on request), which
+    the kernels ask for; without the grant the level is the one below."""
     from specserve import native
 
-    return None if native.load() is None else int(min(machine().isa, Isa.AVX512_VNNI))
+    ext = native.load()
+    return None if ext is None else int(min(machine().isa, Isa(ext.top_level())))
 
 
 def choose_quantization(quantization: str, dtype_given: bool, device: torch.device, quantized_file: bool) -> str:

@@ -110,3 +110,15 @@ def ragged_prompts(n: int, seed: int = 0, lo: int = 2, hi: int = 70) -> list[lis
 def generate_ids(llm, prompts, params) -> list[list[int]]:
     """Output token ids of `llm.generate`, in prompt order."""
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def native_levels() -> list[int]:
+    """The CPU levels with kernels of their own that the native kernels run here, lowest first:
+    generic, avx2, avx512, avx512_vnni, then amx where the CPU has it and the process was
+    granted its tiles (avx512_bf16 has no kernels of its own: its tables are avx512_vnni's)."""
+    from specserve.hardware import Isa, native_level
+
+    top = native_level()
+    if top is None:  # the native tests skip; the lists stay non-empty for their parameters
+        return [Isa.GENERIC]
+    return [lvl for lvl in (Isa.GENERIC, Isa.AVX2, Isa.AVX512, Isa.AVX512_VNNI, Isa.AMX) if lvl <= top]

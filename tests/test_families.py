@@ -20,7 +20,7 @@ from specserve.model.attention import DenseKVCache
 from specserve.model.loader import load_model
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.sampling_params import SamplingParams
-from tests.helpers import edit_config, generate_ids, make_tiny_checkpoint, ragged_prompts
+from tests.helpers import edit_config, generate_ids, make_tiny_checkpoint, native_levels, ragged_prompts
 
 TOL = 1e-4  # float32 logits against transformers' (test_model_golden.py)
 
@@ -33,7 +33,7 @@ CASES = {
     "phi3": dict(kind="phi3"),
     "llama-attention-bias": dict(kind="llama", attention_bias=True),
 }
-LEVELS = [lvl for lvl in range(int(Isa.AVX512_VNNI) + 1) if lvl <= machine().isa]
+LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 needs_native = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 

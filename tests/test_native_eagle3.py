@@ -16,10 +16,11 @@ from specserve.model.flat_batch import flat_batch
 from specserve.spec.heads.eagle3 import Eagle3Head
 from specserve.spec.heads.eagle3_config import Eagle3Config
 from specserve.spec.heads.native_eagle3 import NativeEagle3Drafter
+from tests.helpers import native_levels
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
-LEVELS = [lvl for lvl in range(int(Isa.AVX512_VNNI) + 1) if lvl <= machine().isa]
+LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 CFG = Eagle3Config(hidden_size=64, target_hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                    intermediate_size=128, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
                    max_position_embeddings=256, vocab_size=500, draft_vocab_size=96, aux_layers=(0, 1, 2))

@@ -16,12 +16,13 @@ from gguf.quants import dequantize, quantize
 
 from specserve import native
 from specserve.hardware import Isa, machine
+from tests.helpers import native_levels
 
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-LEVELS = list(range(min(machine().isa, Isa.AVX512_VNNI) + 1))  # generic .. the highest level qgemm has here
+LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 # Byte offsets in a raw GGUF block of the fp16 scale d and of the fp16 min (Q4_1) or dmin (K-quants).
 SCALE_AT = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q8_0": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 ROWS, COLS = 40, 512  # 40 rows: the last unit row is padded
@@ -183,8 +184,9 @@ def test_qgemm_equals_reference_arithmetic_bitwise(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_levels_bit_identical_and_batch_invariant(fmt):
-    """Each activation row alone gives, bit for bit, what it gives inside calls of 2..17 rows with
-    other partners (each level tiles rows differently: 4, 12 or 32 at a time), at every level."""
+    """Each activation row alone gives, bit for bit, what it gives inside calls of 2..17, 20 and 24
+    rows with other partners (each level tiles rows differently: 4, 12 or 32 at a time; AMX 16,
+    a last tile of 4..15, and fewer through VNNI), at every level."""
     _, units = packed(fmt, seed=2)
     torch.manual_seed(1)
     pool = torch.randn(24, COLS)
@@ -195,7 +197,7 @@ def test_levels_bit_identical_and_batch_invariant(fmt):
         if alone is None:
             alone = rows_alone
         assert torch.equal(bits(rows_alone), bits(alone)), f"level {level} differs from level {LEVELS[0]}"
-        for size in range(2, 18):
+        for size in (*range(2, 18), 20, 24):
             idx = torch.randperm(len(pool), generator=gen)[:size]
             got = ext.qgemm(level, int(Q[fmt]), units, ROWS, pool[idx])
             assert torch.equal(bits(got), bits(alone[idx])), f"level {level}, {size} rows"

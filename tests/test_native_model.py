@@ -17,11 +17,11 @@ from specserve.hardware import Isa, machine
 from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
-from tests.helpers import generate_ids, make_tiny_checkpoint, ragged_prompts
+from tests.helpers import generate_ids, make_tiny_checkpoint, native_levels, ragged_prompts
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
-LEVELS = [lvl for lvl in range(int(Isa.AVX512_VNNI) + 1) if lvl <= machine().isa]
+LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import time
 import torch
 
 from specserve.model.runner import ForwardBatch, ModelRunner
-from specserve.hardware import Isa, machine
+from specserve.hardware import Isa, machine, native_level
 from specserve.model.loader import load_model
 
 
@@ -72,7 +72,7 @@ def main() -> None:
         native = getattr(loaded.model, "native", False)
         for level in (levels if native else [None]):
             if native:
-                loaded.model.level = int(min(level, m.isa, Isa.AVX512_VNNI))
+                loaded.model.level = int(min(level, native_level()))
                 label = f"{path} {loaded.model.description} {Isa(loaded.model.level).label}"
             else:
                 label = loaded.kernels.split(",")[0]

@@ -3,13 +3,13 @@
 Built once by the set-up (`python -m specserve.native`, which `make setup` runs) with the
 machine's g++ and ninja, cached under ~/.cache/specserve (or $SPECSERVE_CACHE_DIR), and loaded
 by the first model that wants them. Kernels for every CPU level (generic C++, AVX2, AVX-512,
-AVX-512 VNNI) are compiled into the one library, each function built for its level with GCC's
+AVX-512 VNNI, AMX tiles for Q8_0 products) are compiled into the one library, each function built for its level with GCC's
 target attribute, so one build serves every lower level too; `specserve.hardware` picks the
 level at run time. When the compiler is missing or the build fails, specserve runs on the torch
 path and says so once; `SPECSERVE_NATIVE=0` asks for the torch path on purpose.
 
 Rules for the sources, which keep one library safe on every CPU: ISA-specific code lives in
-files named *_avx2.cpp / *_avx512.cpp that start with `#pragma GCC target(...)` after their
+files named *_avx2.cpp / *_avx512.cpp / *_amx.cpp that start with `#pragma GCC target(...)` after their
 includes, use intrinsics and plain arrays only (no standard-library templates, whose shared
 instantiations could otherwise be emitted with the higher ISA and picked by the linker for
 generic code), and export plain functions that the generic dispatch code calls only after

@@ -109,6 +109,7 @@ const GemmKernels* own_kernels(int level) {
     case LEVEL_AVX2: return &gemm_kernels_avx2();
     case LEVEL_AVX512: return &gemm_kernels_avx512();
     case LEVEL_AVX512_VNNI: return &gemm_kernels_avx512_vnni();
+    case LEVEL_AMX: return amx_permitted() ? &gemm_kernels_amx() : nullptr;
 #endif
     default: return nullptr;
   }

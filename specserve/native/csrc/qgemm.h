@@ -231,6 +231,9 @@ const GemmKernels& gemm_kernels_generic();
 const GemmKernels& gemm_kernels_avx2();
 const GemmKernels& gemm_kernels_avx512();
 const GemmKernels& gemm_kernels_avx512_vnni();
+const GemmKernels& gemm_kernels_amx();
+// Whether this process may use the AMX tile registers (Linux grants them on request; asked once).
+bool amx_permitted();
 #endif
 
 // The products at a CPU level (its kernels, threads over unit rows): act[n][k / 32] from x, then
