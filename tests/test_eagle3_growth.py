@@ -143,9 +143,9 @@ def run_side_by_side(drafter: Eagle3Drafter, target, monkeypatch, depths: list[i
     grown = []
     real_trees = eagle.TreeCandidates.trees
 
-    def recording(self, limits, draft_ids):
+    def recording(self, limits, draft_ids, floors=None):
         grown.append(self)
-        return real_trees(self, limits, draft_ids)
+        return real_trees(self, limits, draft_ids, floors)
 
     monkeypatch.setattr(eagle.TreeCandidates, "trees", recording)
     h3 = 3 * drafter.config.target_hidden_size

@@ -103,8 +103,8 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     code = main(["bench-serve", "--url", server.url, "--concurrency", "4", "--num-requests", "8",
                  "--workload", str(workload), "--max-tokens", "12", "--json", str(out_json)])
     assert code == 0
-    figures = json.loads(out_json.read_text())
-    assert figures["num_requests"] == 8 and figures["num_failed"] == 0
+    [figures] = json.loads(out_json.read_text())["runs"]
+    assert figures["num_requests"] == 8 and figures["num_failed"] == 0 and figures["server"] == "specserve"
     assert figures["requests_per_s"] > 0 and figures["output_tokens_per_s"] > 0
     assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
     assert 0 < figures["tpot_p50_ms"] <= figures["tpot_p99_ms"]
@@ -113,14 +113,49 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     code = main(["bench-serve", "--url", server.url, "--concurrency", "4", "--num-requests", "8", "--no-stream",
                  "--workload", str(workload), "--max-tokens", "12", "--json", str(out_json)])
     assert code == 0
-    whole = json.loads(out_json.read_text())
+    [whole] = json.loads(out_json.read_text())["runs"]
     assert whole["num_failed"] == 0 and whole["output_tokens_per_s"] > 0 and whole["latency_p50_s"] > 0
     assert whole["ttft_p50_ms"] is None and whole["tpot_p50_ms"] is None
     assert "whole (not streamed)" in capsys.readouterr().err
 
 
-def test_bench_serve_names_a_dead_url(capsys):
+def test_bench_serve_compares_servers_side_by_side_at_each_level(server, tiny, tmp_path, capsys):
+    """The running server, the same one again as a named peer, and a `specserve serve` the
+    command starts on a port of its choosing (and stops): each answers the same requests at
+    each level, and one table compares them."""
+    import sys
+
+    from specserve.cli import main
+
+    workload = tmp_path / "prompts.jsonl"
+    workload.write_text("\n".join(json.dumps({"turns": [f"t{i} t{i + 1}"]}) for i in range(2, 8)))
+    out_json = tmp_path / "load.json"
+    started = f"{sys.executable} -m specserve.cli serve --model {tiny['target']} --port {{port}} --no-ui"
+    code = main(["bench-serve", "--url", server.url, "--name", "one", "--peer", f"again={server.url}",
+                 "--peer-command", f"started={started}", "--concurrency", "1,3", "--num-requests", "3",
+                 "--workload", str(workload), "--max-tokens", "6", "--json", str(out_json)])
+    assert code == 0
+    runs = json.loads(out_json.read_text())["runs"]
+    assert sorted((r["server"], r["concurrency"]) for r in runs) == [
+        ("again", 1), ("again", 3), ("one", 1), ("one", 3), ("started", 1), ("started", 3)]
+    assert all(r["num_failed"] == 0 and r["num_requests"] == 3 for r in runs)
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split()[:4] == ["server", "conc", "tok/s", "ratio"]
+    assert [line.split()[0] for line in table[1:]] == ["one", "again", "started"] * 2
+    assert table[1].split()[3] == "1.00x"
+    started_url = next(r["url"] for r in runs if r["server"] == "started")
+    with pytest.raises(httpx.HTTPError):  # stopped when done
+        httpx.get(f"{started_url}/v1/models", timeout=2)
+
+
+def test_bench_serve_refuses_bad_peers_and_levels(server, capsys):
     from specserve.cli import main
 
     assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--num-requests", "1"]) == 2
     assert "no OpenAI-compatible server" in capsys.readouterr().err
+    assert main(["bench-serve", "--peer", "nameless", "--num-requests", "1"]) == 2
+    assert "must be NAME=VALUE" in capsys.readouterr().err
+    assert main(["bench-serve", "--concurrency", "4,0"]) == 2
+    assert "comma list" in capsys.readouterr().err
+    assert main(["bench-serve", "--peer-command", "dead=false", "--url", server.url]) == 2
+    assert "exited with 1 before answering" in capsys.readouterr().err

@@ -1,32 +1,56 @@
-"""`specserve bench-serve`: a load client for a running OpenAI-compatible server (specserve or
+"""`specserve bench-serve`: a load client for running OpenAI-compatible servers (specserve or
 any other), measuring what a user of the API sees: requests/s, output tokens/s, time to first
 token and time per output token, from the client side of the connection.
 
 N streams stay in flight: each client sends its next prompt as soon as its last answer ended.
 Time per output token of a request is (last token time - first token time) / (tokens - 1),
 with tokens counted from the server's usage figures (stream_options.include_usage).
+
+Several servers side by side: `--url` is the first (named by --name), each `--peer NAME=URL`
+another running one, and each `--peer-command NAME=CMD` one this command starts (CMD with
+`{port}` for the port it should listen on: llama-server, vLLM, a second specserve) and stops
+when done. Every server gets the same prompts at each concurrency of the `--concurrency` list,
+servers taking turns in alternating order at each level (the machine's drift falls on both), and
+one table compares them, with each server's output tokens/s as a ratio of the first's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from specserve.bench.throughput import percentile
 from specserve.bench.workload import Selection, load_workload, select
 from specserve.errors import InvalidParameterError
 
+# How long a started peer may take to answer /v1/models (loading a model, compiling kernels).
+PEER_START_S = 600.0
+
 
 def add_bench_serve_parser(sub) -> None:
-    p = sub.add_parser("bench-serve", help="load-test a running OpenAI-compatible server with streaming chat requests")
+    p = sub.add_parser("bench-serve", help="load-test running OpenAI-compatible servers with streaming chat requests, "
+                                           "side by side")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL (without /v1)")
-    p.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
+    p.add_argument("--name", default="specserve", help="what the table calls the --url server")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=URL",
+                   help="another running server measured beside it (repeatable), e.g. llama.cpp=http://127.0.0.1:8080")
+    p.add_argument("--peer-command", action="append", default=[], metavar="NAME=CMD",
+                   help="a server this command starts for its runs and stops after (repeatable); {port} in CMD is "
+                        "replaced by a free port, e.g. 'llama.cpp=llama-server -m model.gguf -np 16 --port {port}'")
+    p.add_argument("--model", default=None, help="model name to send (default: each server's first model)")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=int, default=16, help="streams kept in flight")
-    p.add_argument("--num-requests", type=int, default=64, help="requests in all")
+    p.add_argument("--concurrency", default="16",
+                   help="streams kept in flight, or a comma list of levels (e.g. 1,4,16,64)")
+    p.add_argument("--num-requests", type=int, default=64, help="requests in all, at each level")
     p.add_argument("--workload", default="spec_bench", help="'spec_bench' or a JSONL file")
     p.add_argument("--field", default=None,
                    help="JSONL field holding the prompt (a string or a list of turns; default: turns, prompt or text, "
@@ -63,15 +87,90 @@ class LoadFigures:
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
     latency_p50_s: float | None
+    server: str = ""  # the name the table gives the server
 
     def line(self) -> str:
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v:.1f}"
 
-        return (f"concurrency {self.concurrency} | {self.num_requests} requests ({self.num_failed} failed) in "
+        return (f"{self.server + ': ' if self.server else ''}concurrency {self.concurrency} | {self.num_requests} "
+                f"requests ({self.num_failed} failed) in "
                 f"{self.wall_s:.1f} s | {self.requests_per_s:.2f} req/s | {self.output_tokens_per_s:.1f} output tok/s | "
                 f"TTFT p50 {ms(self.ttft_p50_ms)} ms, p99 {ms(self.ttft_p99_ms)} ms | "
                 f"TPOT p50 {ms(self.tpot_p50_ms)} ms, p99 {ms(self.tpot_p99_ms)} ms")
+
+
+@dataclass(slots=True)
+class Server:
+    """One server under test: running at `url`, or started from `command` for the runs."""
+
+    name: str
+    url: str = ""
+    command: str | None = None
+    model: str = ""
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    log: str | None = None  # where a started server's output goes
+
+    def start(self) -> None:
+        """Start the command on a free port and wait until /v1/models answers."""
+        if self.command is None:
+            return
+        import httpx
+
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        fd, self.log = tempfile.mkstemp(prefix=f"bench-serve-{self.name}-", suffix=".log")
+        with os.fdopen(fd, "w") as out:
+            self.process = subprocess.Popen(shlex.split(self.command.replace("{port}", str(port))), stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + PEER_START_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise InvalidParameterError("peer-command", self.command, f"exited with {self.process.returncode} "
+                                            f"before answering; its output is in {self.log}")
+            try:
+                if httpx.get(f"{self.url}/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise InvalidParameterError("peer-command", self.command, f"did not answer on {self.url} within "
+                                    f"{PEER_START_S:.0f} s; its output is in {self.log}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.process = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _named(value: str, flag: str) -> tuple[str, str]:
+    name, sep, rest = value.partition("=")
+    if not sep or not name.strip() or not rest.strip():
+        raise InvalidParameterError(flag, value, "must be NAME=VALUE, e.g. llama.cpp=http://127.0.0.1:8080")
+    return name.strip(), rest.strip()
+
+
+def parse_levels(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]; each level >= 1."""
+    try:
+        levels = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise InvalidParameterError("concurrency", text, "must be a positive integer or a comma list of them (1,4,16)")
+    return levels
 
 
 async def one_request(client, url: str, body: dict) -> RequestTiming:
@@ -142,41 +241,84 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, m
     return timings, wall
 
 
-def summarise(url: str, concurrency: int, timings: list[RequestTiming], wall: float) -> LoadFigures:
+def summarise(url: str, concurrency: int, timings: list[RequestTiming], wall: float, server: str = "") -> LoadFigures:
     ok = [t for t in timings if t.ok]
     ttft = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
     tpot = [t.tpot_s * 1000 for t in ok if t.tpot_s is not None]
     return LoadFigures(url, concurrency, len(timings), len(timings) - len(ok), wall, len(ok) / wall,
                        sum(t.output_tokens for t in ok) / wall, percentile(ttft, 50), percentile(ttft, 99),
-                       percentile(tpot, 50), percentile(tpot, 99), percentile([t.latency_s for t in ok], 50))
+                       percentile(tpot, 50), percentile(tpot, 99), percentile([t.latency_s for t in ok], 50), server)
+
+
+def comparison_table(runs: list[LoadFigures], order: list[str]) -> str:
+    """One line per server (in `order`) and level; tok/s also as a ratio of the first server's
+    at that level."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}"
+
+    first = {r.concurrency: r.output_tokens_per_s for r in runs if r.server == order[0]}
+    width = max(len("server"), *(len(r.server) for r in runs))
+    lines = [f"{'server':<{width}} {'conc':>5} {'tok/s':>9} {'ratio':>7} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+             f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}"]
+    for r in sorted(runs, key=lambda r: (r.concurrency, order.index(r.server))):
+        base = first.get(r.concurrency)
+        ratio = f"{r.output_tokens_per_s / base:.2f}x" if base else "-"
+        lines.append(f"{r.server:<{width}} {r.concurrency:>5} {r.output_tokens_per_s:>9.1f} {ratio:>7} "
+                     f"{r.requests_per_s:>7.2f} {ms(r.ttft_p50_ms):>9} {ms(r.ttft_p99_ms):>9} {ms(r.tpot_p50_ms):>9} "
+                     f"{ms(r.tpot_p99_ms):>9} {r.num_failed:>7}")
+    return "\n".join(lines)
+
+
+def _model_of(server: Server, asked: str | None, headers: dict) -> str:
+    import httpx
+
+    try:
+        models = httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10).json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as e:
+        raise InvalidParameterError("url" if server.command is None else "peer-command", server.url,
+                                    f"no OpenAI-compatible server answers there ({e})") from None
+    return asked or models[0]["id"]
 
 
 def run_bench_serve(args) -> int:
-    import httpx
-
-    if args.concurrency < 1 or args.num_requests < 1 or args.max_tokens < 1:
-        raise InvalidParameterError("concurrency/num-requests/max-tokens",
-                                    (args.concurrency, args.num_requests, args.max_tokens), "each must be >= 1")
+    levels = parse_levels(args.concurrency)
+    if args.num_requests < 1 or args.max_tokens < 1:
+        raise InvalidParameterError("num-requests/max-tokens", (args.num_requests, args.max_tokens), "each must be >= 1")
+    servers = [Server(args.name, url=args.url)]
+    servers += [Server(n, url=u) for n, u in (_named(v, "peer") for v in args.peer)]
+    servers += [Server(n, command=c) for n, c in (_named(v, "peer-command") for v in args.peer_command)]
+    names = [s.name for s in servers]
+    if len(set(names)) != len(names):
+        raise InvalidParameterError("peer", names, "each server needs a name of its own")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    try:
-        models = httpx.get(f"{args.url}/v1/models", headers=headers, timeout=10).json()["data"]
-    except (httpx.HTTPError, KeyError, ValueError) as e:
-        raise InvalidParameterError("url", args.url, f"no OpenAI-compatible server answers there ({e})") from None
-    model = args.model or models[0]["id"]
     pool = [p.text for p in select(load_workload(args.workload, args.field), Selection.from_text(args.categories, None, None))]
     prompts = [pool[i % len(pool)] for i in range(args.num_requests)]
     kind = "whole (not streamed)" if args.no_stream else "streaming"
-    print(f"bench-serve: {args.url} model {model}, {args.num_requests} {kind} chat requests, "
-          f"concurrency {args.concurrency}, max_tokens {args.max_tokens}, temperature {args.temperature}", file=sys.stderr)
-    timings, wall = asyncio.run(run_load(args.url, model, prompts, args.concurrency, args.max_tokens,
-                                         args.temperature, args.api_key, stream=not args.no_stream))
-    figures = summarise(args.url, args.concurrency, timings, wall)
-    print(figures.line())
-    for t in timings:
-        if not t.ok:
-            print(f"  failed: {t.error}", file=sys.stderr)
-            break
+    runs: list[LoadFigures] = []
+    failures: list[str] = []
+    try:
+        for s in servers:
+            s.start()
+            s.model = _model_of(s, args.model if s is servers[0] else None, headers)
+            print(f"bench-serve: {s.name} at {s.url} model {s.model}", file=sys.stderr)
+        print(f"bench-serve: {args.num_requests} {kind} chat requests at concurrency {', '.join(map(str, levels))}, "
+              f"max_tokens {args.max_tokens}, temperature {args.temperature}", file=sys.stderr)
+        for i, level in enumerate(levels):
+            for s in (servers if i % 2 == 0 else servers[::-1]):  # alternated: drift falls on every server
+                timings, wall = asyncio.run(run_load(s.url, s.model, prompts, level, args.max_tokens, args.temperature,
+                                                     args.api_key, stream=not args.no_stream))
+                figures = summarise(s.url, level, timings, wall, s.name)
+                runs.append(figures)
+                print(figures.line(), file=sys.stderr if len(servers) > 1 or len(levels) > 1 else sys.stdout)
+                failures += [f"{s.name}: {t.error}" for t in timings if not t.ok][:1]
+    finally:
+        for s in servers:
+            s.stop()
+    if len(servers) > 1 or len(levels) > 1:
+        print(comparison_table(runs, names))
+    for f in failures:
+        print(f"  failed: {f}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(asdict(figures), f, indent=2)
-    return 0 if figures.num_failed == 0 else 1
+            json.dump({"runs": [asdict(r) for r in runs]}, f, indent=2)
+    return 0 if all(r.num_failed == 0 for r in runs) else 1

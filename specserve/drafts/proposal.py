@@ -37,6 +37,13 @@ class SpecRequest:
     # How many of token_ids are the request's prompt (the rest its output so far); None when the
     # caller does not say. Proposers that remember answers across requests (suffix) read it.
     num_prompt_tokens: int | None = None
+    # Tree proposers that know their drafts' probabilities (EAGLE's and EAGLE-3's drafters) leave
+    # out every node whose path probability under the drafter (the product along its path) is
+    # below this, and stop growing once no node they would expand reaches it (no child of theirs
+    # could). A drafter's confidence tracks its acceptance (EAGLE-2), so this is the price of one
+    # more verified row in committed tokens (engine/adaptive.py, SpeculationPlanner.min_path_prob);
+    # 0: every node of the budget.
+    min_path_prob: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_nodes is None:

@@ -88,6 +88,14 @@ class Plan:
     depths: list[int]  # per row, the draft length chosen (0: a plain decode step)
     expected_tokens: float  # committed tokens the batch is expected to yield
     predicted_s: float  # the pass and drafting time priced for it
+    row_s: float = 0.0  # what one more token in that pass adds to its time
+
+    @property
+    def min_path_prob(self) -> float:
+        """The least acceptance chance that pays for one more verified row: the row adds
+        row_s to a step that yields expected_tokens in predicted_s, so it pays when its chance
+        exceeds row_s * expected_tokens / predicted_s (SpecRequest.min_path_prob)."""
+        return min(1.0, self.row_s * self.expected_tokens / self.predicted_s) if self.predicted_s > 0 else 0.0
 
 
 class SpeculationPlanner:
@@ -133,7 +141,7 @@ class SpeculationPlanner:
         expected = float(len(rows))
         depths = [0] * len(rows)
         best_t = self.cost.predict(shape)
-        best = (expected / best_t, list(depths), expected, best_t)
+        best = (expected / best_t, list(depths), expected, best_t, self._row_s(shape, rows))
         deepest = 0
         drafting = [self.drafting_s(d) for d in range(self.max_depth + 1)]
         since_best = 0
@@ -154,7 +162,7 @@ class SpeculationPlanner:
             t = self.cost.predict(shape) + drafting[deepest]
             since_best += 1
             if expected / t > best[0]:
-                best = (expected / t, list(depths), expected, t)
+                best = (expected / t, list(depths), expected, t, self._row_s(shape, rows))
                 since_best = 0
             if j + 1 < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][j + 1], i, j + 1))
@@ -168,7 +176,14 @@ class SpeculationPlanner:
             if depths[i]:
                 self.idle_steps[r.request_id] = 0
             self.chosen[depths[i]] += 1
-        return Plan(depths, best[2], best[3])
+        return Plan(depths, best[2], best[3], best[4])
+
+    def _row_s(self, shape: PassShape, rows: list[PlanRow]) -> float:
+        """The price of one more token in a pass of `shape`, at the rows' mean context."""
+        context = sum(r.context for r in rows) // max(1, len(rows))
+        more = PassShape(shape.num_tokens, shape.keys_read, shape.query_keys)
+        more.add(1, context)
+        return max(0.0, self.cost.predict(more) - self.cost.predict(shape))
 
     def drafting_s(self, depth: int) -> float:
         """Drafting time of a step whose deepest draft is `depth` (0 for no drafting): the

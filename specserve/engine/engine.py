@@ -402,6 +402,7 @@ class LLMEngine:
             return
         depths = {s.request.request_id: s.request.max_depth(mml) for s in rows}
         planned = [s.request for s in rows if s.request.adaptive and depths[s.request.request_id] > 0]
+        floor = 0.0
         if planned and self.planner is not None:
             base = PassShape(0)
             for s in scheduled:
@@ -411,6 +412,7 @@ class LLMEngine:
             plan = self.planner.plan(base, [PlanRow(r.request_id, r.num_computed_tokens, depths[r.request_id])
                                             for r in planned])
             depths.update((r.request_id, d) for r, d in zip(planned, plan.depths))
+            floor = plan.min_path_prob  # tree nodes less likely than this to be accepted cost more than they bring
         batch = []
         for s in rows:
             r, depth = s.request, depths[s.request.request_id]
@@ -418,7 +420,8 @@ class LLMEngine:
                 slots = r.max_draft_nodes(mml)
                 nodes = self.planner.nodes(depth, slots) if r.adaptive and self.planner is not None else slots
                 batch.append(SpecRequest(r.request_id, r.all_token_ids, depth, r.params, r.noise, max_nodes=nodes,
-                                         num_prompt_tokens=len(r.prompt_token_ids)))
+                                         num_prompt_tokens=len(r.prompt_token_ids),
+                                         min_path_prob=floor if r.adaptive else 0.0))
         if not batch:
             return
         t0 = time.perf_counter()

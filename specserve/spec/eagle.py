@@ -16,6 +16,7 @@ verifier's tree rule keeps greedy and sampled outputs exactly the target's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +42,11 @@ _SHARED_CATCH_UP = 16
 _DEPTH_TIE_BREAK = 1e-6
 
 
+def path_floor(r: SpecRequest) -> float:
+    """The least cumulative log-probability a node of r's tree may have (SpecRequest.min_path_prob)."""
+    return math.log(r.min_path_prob) if r.min_path_prob > 0 else -math.inf
+
+
 @dataclass(slots=True)
 class _Row:
     """A request drafting this step."""
@@ -52,6 +58,7 @@ class _Row:
     next_tokens: list[int]  # [C] the token after each of those positions (the drafter's token input)
     depth: int  # deepest allowed node
     max_nodes: int
+    floor: float = -math.inf  # log of SpecRequest.min_path_prob: no node below it
 
     @property
     def last(self) -> int:  # L
@@ -108,7 +115,7 @@ class EagleProposer(FeatureTreeProposer):
         trees = [DraftTree.empty() for _ in batch]
         depth, begun = self._begin(batch)
         rows = [_Row(i, r.request_id, start, features, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
-                     r.max_nodes) for i, r, start, features in begun]
+                     r.max_nodes, path_floor(r)) for i, r, start, features in begun]
         if not rows:
             return DraftTreeProposal(trees)
         roots = self._catch_up(rows)  # [B, H]
@@ -161,6 +168,9 @@ class EagleProposer(FeatureTreeProposer):
         d, k = self.drafter, self.topk
         bsz = len(rows)
         cands = TreeCandidates(d.vocab(roots), k)
+        floors = [r.floor for r in rows]
+        if cands.frontier_below(floors):
+            depth = 1
         frontier_feat = roots[:, None].expand(bsz, k, roots.shape[-1])  # [B, K, H] the parent's output
         span = (depth - 1) * k  # tree slots after each row's context
         frontier_anc = torch.zeros(bsz, k, max(span, 1), dtype=torch.bool)  # expanded ancestors' tree slots
@@ -185,11 +195,12 @@ class EagleProposer(FeatureTreeProposer):
                         self.kv.cache)
             sel = cands.expand(d.vocab(g), last=level == depth)
             offset += k
-            if sel is not None:
-                parent = sel // k  # [B, K] each next frontier node's parent in this frontier
-                frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
-                frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
-        return cands.trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids)
+            if sel is None or cands.frontier_below(floors):  # nothing deeper could be kept
+                break
+            parent = sel // k  # [B, K] each next frontier node's parent in this frontier
+            frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
+            frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
+        return cands.trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids, floors)
 
 
 
@@ -205,6 +216,14 @@ class TreeCandidates:
         self.tok, self.score = [tok], [lp]  # per depth: draft-vocabulary indices, scores [B, n]
         self.picked: list[torch.Tensor] = []  # per expanded depth but the last: the next frontier [B, K]
         self.frontier_tok, self.frontier_score = tok, lp  # [B, K] draft-vocabulary indices, scores
+
+    def frontier_below(self, floors: list[float]) -> bool:
+        """Whether no row's frontier has a node at or above its floor (a log-probability): then
+        no child of theirs can be kept, and growing stops."""
+        if all(f == -math.inf for f in floors):
+            return False
+        best = self.frontier_score.max(-1).values.tolist()  # [B]
+        return all(b < f for b, f in zip(best, floors))
 
     def expand(self, logits: torch.Tensor, last: bool) -> torch.Tensor | None:
         """The frontier's logits [B, K, Vd] add each node's top k children (the depth after the
@@ -226,8 +245,10 @@ class TreeCandidates:
         self.picked.append(sel)
         return sel
 
-    def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor) -> list[DraftTree]:
-        """Each row's best candidates (select_trees); draft_ids [Vd] maps draft indices to target ids."""
+    def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor,
+              floors: list[float] | None = None) -> list[DraftTree]:
+        """Each row's best candidates (select_trees); draft_ids [Vd] maps draft indices to target
+        ids; floors: per row, the least cumulative log-probability a node may have."""
         k, bsz = self.k, self.tok[0].shape[0]
         sizes = [t.shape[1] for t in self.tok]
         # Parent candidate ids, per depth: -1 (the root) at depth 1, the frontier's ids each
@@ -239,20 +260,24 @@ class TreeCandidates:
             parents.append(np.repeat(sel.cpu().numpy() + (k + i * k * k), k, axis=1))
         return select_trees(limits, draft_ids.cpu().numpy()[torch.cat(self.tok, dim=1).cpu().numpy()],
                             torch.cat(self.score, dim=1).cpu(), np.concatenate(parents, axis=1),
-                            np.repeat(np.arange(1, len(sizes) + 1), sizes))
+                            np.repeat(np.arange(1, len(sizes) + 1), sizes), floors)
 
 
 def select_trees(limits: list[tuple[int, int]], tokens: np.ndarray, score: torch.Tensor, parents: np.ndarray,
-                 depth_of: np.ndarray) -> list[DraftTree]:
+                 depth_of: np.ndarray, floors: list[float] | None = None) -> list[DraftTree]:
     """Each row's best candidates as DraftTrees: limits[b] = (deepest depth, most nodes) of row
     b; candidates numbered in creation order (parents before children): target ids tokens
     [B, N], cumulative log-probabilities score float32 [B, N] (host), parent candidate ids
-    parents [B, N] (-1: the root) and depths depth_of [N]."""
+    parents [B, N] (-1: the root) and depths depth_of [N]. floors[b]: candidates scoring below
+    it are left out (a child never scores above its parent, so what stays is a tree)."""
+    raw = score
     # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
     score = score.double() - _DEPTH_TIE_BREAK * torch.from_numpy(depth_of)  # [B, N]
     trees = []
     for b, (deepest, max_nodes) in enumerate(limits):
         allowed = depth_of <= deepest
+        if floors is not None and floors[b] > -math.inf:
+            allowed = allowed & (raw[b].numpy() >= floors[b])
         num_allowed = int(allowed.sum())
         s = score[b] if num_allowed == len(depth_of) else score[b].masked_fill(~torch.from_numpy(allowed), float("-inf"))
         chosen = np.sort(s.topk(min(max_nodes, num_allowed)).indices.numpy())  # creation order: parents first

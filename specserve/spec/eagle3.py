@@ -19,6 +19,7 @@ are deterministic (top-k), so the verifier's tree rule keeps every output exactl
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from specserve.drafts import DraftTreeProposal, SpecRequest
 from specserve.drafts.tree import DraftTree
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
-from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, TreeCandidates
+from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, TreeCandidates, path_floor
 from specserve.spec.heads.eagle3_loader import DraftPass, Eagle3Drafter, load_eagle3_drafter
 from specserve.spec.heads.eagle_kv import EagleKV
 from specserve.spec.registry import MethodSpec
@@ -46,6 +47,7 @@ class _Row:
     depth: int
     max_nodes: int
     first: int = 0  # the request's first drafter entry
+    floor: float = -math.inf  # log of SpecRequest.min_path_prob: no node below it
 
     @property
     def last(self) -> int:  # L
@@ -94,7 +96,7 @@ class Eagle3Proposer(FeatureTreeProposer):
         trees = [DraftTree.empty() for _ in batch]
         depth, begun = self._begin(batch)
         rows = [_Row(i, r.request_id, start, states, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
-                     r.max_nodes, self.kv.first(r.request_id)) for i, r, start, states in begun]
+                     r.max_nodes, self.kv.first(r.request_id), path_floor(r)) for i, r, start, states in begun]
         if not rows:
             return DraftTreeProposal(trees)
         tables = self.kv.tables([r.request_id for r in rows], max(r.last for r in rows) + 1 + max(depth - 1, 0) * self.topk)
@@ -145,8 +147,9 @@ class Eagle3Proposer(FeatureTreeProposer):
               depth: int) -> list[DraftTree]:
         d, k = self.drafter, self.topk
         cands = TreeCandidates(root_logits, k)
+        floors = [r.floor for r in rows]
         t0 = time.perf_counter()  # the plan counts as growth time, spread over the depths
-        if depth > 1:
+        if depth > 1 and not cands.frontier_below(floors):
             key = (len(rows), k, depth - 1)
             shape = self._shapes.get(key)
             if shape is None:
@@ -163,15 +166,16 @@ class Eagle3Proposer(FeatureTreeProposer):
                 out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
                 last = j == depth - 2
                 sel = cands.expand(logits.view(len(rows), k, -1), last=last)
-                if not last:
-                    flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
-                    frontier_out = out.index_select(0, flat)
-                    frontier_anc = anc.index_select(0, flat.cpu())
                 t1 = time.perf_counter()
                 self.times.depth_s += t1 - t0
                 self.times.depth_passes += 1
                 t0 = t1
-        trees = cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids)
+                if last or cands.frontier_below(floors):  # nothing deeper could be kept
+                    break
+                flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
+                frontier_out = out.index_select(0, flat)
+                frontier_anc = anc.index_select(0, flat.cpu())
+        trees = cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids, floors)
         self.times.select_s += time.perf_counter() - t0
         return trees
 
