@@ -132,3 +132,16 @@ def test_greedy_output_under_auto_with_a_floor_is_plain_greedy(tiny, tmp_path, m
     outs = llm.generate(tiny_prompts(3), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert floors and all(0.05 <= f <= 0.3 for f in floors)
+
+
+def test_the_planner_learns_what_asking_yielded_empty_trees_included():
+    """Under a floor a tree may come back shallower than asked, or empty: the planner counts
+    the asked depth (an empty tree is a first position not accepted) and prices the nodes
+    actually drafted per asked depth, below one where trees come back empty."""
+    p = SpeculationPlanner(linear_cost(5e-3, 5e-4), max_depth=4, tokens_per_depth=2.0)
+    for _ in range(40):
+        p.observe_verification("r", 4, 0, num_nodes=0)
+    assert p.requests["r"].rates([0.5] * 4, 2.0)[0] < 0.1
+    assert p.width < 0.1
+    p.observe_step(PassShape(1), 5e-3, 1e-3, deepest=4)  # drafting that left every tree empty costs time too
+    assert p.drafting_s(4) == pytest.approx(1e-3)

@@ -214,12 +214,14 @@ class SpeculationPlanner:
     # ---- learning ---------------------------------------------------------------------------
 
     def observe_verification(self, request_id: str, depth: int, num_accepted: int, num_nodes: int | None = None) -> None:
-        """A request's verification: it could accept `depth` drafts (a tree of `num_nodes`
-        nodes; None: a chain), it accepted `num_accepted`."""
+        """A request's verification: it was asked for `depth` drafts and drafted a tree of
+        `num_nodes` nodes (None: a chain of `depth`; a tree pruned by a floor may have fewer
+        nodes than its depth, or none), of which it accepted `num_accepted`."""
         if depth <= 0:
             return
         if num_nodes is not None:
-            ratio = min(self.tokens_per_depth, max(1.0, num_nodes / depth))
+            # Below 1 where a floor leaves trees shallower than asked, or empty.
+            ratio = min(self.tokens_per_depth, num_nodes / depth)
             self.width += PROPOSER_RATE * (ratio - self.width)
         est = self.requests.get(request_id)
         if est is None:

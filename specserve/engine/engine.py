@@ -53,6 +53,7 @@ class _Computed:
     accepted_nodes: list[int] = field(default_factory=list)
     num_draft: int = 0  # drafts scored (a tree's node count)
     depth: int = 0  # the most that could be accepted (a chain's length, a tree's depth)
+    asked_depth: int = 0  # the depth the proposal was asked for under a floor (Request.draft_depth), else 0
     # The last token replaced a rejected draft (the accepted path's end had children), rather
     # than following a path accepted to its end (bonus) or a step with no drafts (plain).
     corrected: bool = False
@@ -360,7 +361,9 @@ class LLMEngine:
             for c, toks in zip(starts, tokens):
                 shape.add(len(toks), c)
             if self.planner is not None:
-                drafted = [t.max_depth for t in trees]
+                # The drafting that made this step's drafts, by the deepest asked for: a floor
+                # may have left every tree empty, and that drafting cost time all the same.
+                drafted = [max(t.max_depth, s.request.draft_depth if s.decode else 0) for s, t in zip(scheduled, trees)]
                 self.planner.observe_step(shape, t2 - t1, self._drafting_s if any(drafted) else 0.0, max(drafted))
             else:
                 self.cost.observe(shape, t2 - t1)
@@ -380,7 +383,8 @@ class LLMEngine:
                 # row j scored committed token j
                 logits = raw[i][[0] + [1 + n for n in p]] if i in raw else fwd.logits[[lo] + [lo + 1 + n for n in p]]
             c = _Computed(emitted.get(i, []), logits, hidden, decode=s.decode, accepted_nodes=p,
-                          num_draft=t.num_nodes, depth=t.max_depth, corrected=(p[-1] if p else -1) in t.parents)
+                          num_draft=t.num_nodes, depth=t.max_depth, corrected=(p[-1] if p else -1) in t.parents,
+                          asked_depth=r.draft_depth if s.decode else 0)
             if argmax is not None and i in emitted:
                 c.node_predictions = argmax[fwd.logit_start[i]:fwd.logit_start[i + 1]]
             if s.decode:
@@ -438,6 +442,7 @@ class LLMEngine:
             r.spec.proposer_time_s += self._drafting_s / len(batch)
             if tree is not None and not r.finished:
                 r.draft = self._guarded(r, _pruned, tree, r)
+                r.draft_depth = sr.num_speculative_tokens if sr.min_path_prob > 0 else 0
 
     def _draft(self, batch: list[SpecRequest]) -> list[DraftTree]:
         """The proposer's trees for `batch`, checked against each request's bounds."""
@@ -457,7 +462,7 @@ class LLMEngine:
         feedback = VerifyFeedback([], [], [], [], [], [] if self.keep_predictions else None)
         for s, c in zip(sched.scheduled, computed):
             r = s.request
-            r.draft = None  # verified now, or (a prompt chunk) there was none
+            r.draft, r.draft_depth = None, 0  # verified now, or (a prompt chunk) there was none
             if isinstance(c, Exception):
                 self._fail(r, c)
                 committed = 0
@@ -502,8 +507,8 @@ class LLMEngine:
         # by position reads as acceptance by depth.
         r.spec.record(c.depth, accepted, accepted + 1)
         r.spec.target_time_s += c.target_time_s
-        if self.planner is not None and c.depth:
-            self.planner.observe_verification(r.request_id, c.depth, accepted, c.num_draft)
+        if self.planner is not None and (c.asked_depth or c.depth):
+            self.planner.observe_verification(r.request_id, c.asked_depth or c.depth, accepted, c.num_draft)
         if r.num_speculative_tokens:
             feedback.request_ids.append(r.request_id)
             feedback.num_draft.append(c.num_draft)
@@ -545,7 +550,7 @@ class LLMEngine:
 
     def _forget_drafts(self, req: Request) -> None:
         """Drop the proposer's state of a request and its draft (finished or preempted)."""
-        req.draft = None
+        req.draft, req.draft_depth = None, 0
         if self.planner is not None:
             self.planner.forget(req.request_id)
         if not (self.proposer and req.num_speculative_tokens):

@@ -46,6 +46,11 @@ class Request:
     # its last token (vLLM v1's shape): the scheduler gives that step exactly 1 + its nodes, so
     # no slot is held for drafts that do not exist. None: the next step decodes plainly.
     draft: DraftTree | None = None
+    # The depth the proposer was asked for when it drafted `draft` under a confidence floor
+    # (SpecRequest.min_path_prob), which may leave the tree shallower or empty: the planner
+    # learns what asking for that depth yielded, empty trees included. 0: learn from the
+    # tree's own depth.
+    draft_depth: int = 0
     # Rules applied to its target logits at every scored position (sample/processors.py):
     # logit_bias, penalties, grammars; empty for most requests.
     processors: list[LogitsProcessor] = field(default_factory=list)
