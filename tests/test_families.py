@@ -293,21 +293,18 @@ def test_phi3_rope_variants_specserve_does_not_compute_are_refused_by_name(tmp_p
         load_model(folder)
 
 
-def test_phi3_sliding_window_serves_only_contexts_it_never_cuts(folders, tmp_path):
+def test_phi3_sliding_window_past_the_window_equals_transformers(folders, tmp_path):
     import shutil
 
-    folder = shutil.copytree(folders["phi3"], tmp_path / "w")
-    edit_config(folder, sliding_window=32)
-    with pytest.raises(ModelLoadError, match=r"sliding window of 32 positions.*--max-model-len 32"):
-        load_model(folder)
-    loaded = load_model(folder, dtype="float32", max_model_len=32)
-    assert loaded.config.sliding_window == 32
+    folder = edit_config(shutil.copytree(folders["phi3"], tmp_path / "w"), sliding_window=12)
+    loaded = load_model(folder, dtype="float32")
+    assert (loaded.config.sliding_window, loaded.config.window_layers) == (12, (0, 1))
     ref = _reference(folder)
-    assert ref.config.sliding_window == 32
-    prompt = [5, 9, 17, 30, 2]
+    assert ref.config.sliding_window == 12
+    prompt = ragged_prompts(1, seed=8, lo=20, hi=21)[0]
     ours = generate_ids(LLM(loaded=loaded, max_num_seqs=1), [prompt],
-                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
-    assert ours == _reference_greedy(ref, prompt, 20)
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ours == _reference_greedy(ref, prompt, 12)
 
 
 def test_gguf_partial_rope_and_longrope_are_refused_by_name(folders, tmp_path):
