@@ -222,8 +222,8 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     "gguf" keeps blocks that have a kernel (others become FALLBACK_FORMAT); "int8" / "int4" (or a
     format by name, QUANT_FORMATS) quantize every matrix to Q8_0 / Q4_1 (that format). `permute_qk`: undo llama.cpp's q/k row order.
     `positions`: how many positions the RoPE tables cover (see RotaryEmbedding)."""
-    if cfg.window_layers:
-        raise ModelLoadError("the native kernels do not compute sliding windows yet: load this model with "
+    if cfg.window_layers or cfg.sandwich_norms:
+        raise ModelLoadError("the native kernels do not compute sliding windows or Gemma yet: load this model with "
                              "quantization='none' (--quantization none)")
     kernels = kernel_formats(ext)
     requantize = quantization in QUANT_FORMATS

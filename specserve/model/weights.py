@@ -108,6 +108,8 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], t
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model.rotary = RotaryEmbedding(cfg, positions).to(device)
+    if cfg.local_rope_theta is not None:
+        model.rotary_local = RotaryEmbedding(cfg, positions, local=True).to(device)
     expected = {n: p.shape for n, p in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
@@ -115,7 +117,10 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], t
         if ignored_tensor(name):
             continue
         target, index = _locate(name)
-        tensor = tensor.to(device=device, dtype=dtype)
+        # Gemma's (1 + w) norm weights stay float32: its reference multiplies by them in float32
+        # (RMSNorm), and in half precision 1 + w would lose w's low bits.
+        keep = cfg.sandwich_norms and name.endswith("norm.weight")
+        tensor = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
         if index is None:
             state[target] = tensor
             continue
