@@ -223,6 +223,32 @@ def generate_ids(llm, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def assert_native_rows_batch_invariant(loaded, levels: list[int]) -> None:
+    """Exact, on a native model: a token's logits 30 tokens into a request are the same bits
+    alone, among draft tokens and next to another request, on every CPU level of `levels`."""
+    from specserve.hardware import Isa
+    from specserve.model.runner import ForwardBatch, ModelRunner
+
+    ids = ragged_prompts(1, seed=5, lo=40, hi=41)[0]
+    out = []
+    for lvl in levels:
+        loaded.model.level = lvl
+        runner = ModelRunner.paged(loaded.model, 16, 16)
+
+        def run(tables, starts, tokens):
+            return runner.execute(ForwardBatch(tables, starts, tokens, all_logits=True))
+
+        run([[0, 1, 2]], [0], [ids[:30]])
+        run([[8, 9]], [0], [[7, 8, 9, 10, 11]])
+        alone = run([[0, 1, 2]], [30], [ids[30:31]])[0, 0]
+        verify = run([[0, 1, 2]], [30], [ids[30:36]])[0]
+        batched = run([[8, 9], [0, 1, 2]], [5, 30], [[12, 13, 14], ids[30:36]])
+        assert torch.equal(verify[0], alone) and torch.equal(batched[1, :6], verify), Isa(lvl).label
+        out.append(verify)
+    for lvl, o in zip(levels[1:], out[1:]):
+        assert torch.equal(o, out[0]), Isa(lvl).label
+
+
 def native_levels() -> list[int]:
     """The CPU levels with kernels of their own that the native kernels run here, lowest first:
     generic, avx2, avx512, avx512_vnni, then amx where the CPU has it and the process was

@@ -12,14 +12,14 @@ from safetensors import safe_open
 
 from specserve import native
 from specserve.errors import ModelLoadError
-from specserve.hardware import Isa, machine
+from specserve.hardware import machine
 from specserve.llm import LLM
 from specserve.model.attention import DenseKVCache
 from specserve.model.loader import load_model
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.sampling_params import SamplingParams
-from tests.helpers import (edit_config, generate_ids, make_tiny_checkpoint, make_varied_checkpoint, native_levels,
-                           ragged_prompts, write_gguf)
+from tests.helpers import (assert_native_rows_batch_invariant, edit_config, generate_ids, make_tiny_checkpoint,
+                           make_varied_checkpoint, native_levels, ragged_prompts, write_gguf)
 
 TOL = 1e-4  # float32 logits against transformers' (test_model_golden.py)
 
@@ -139,25 +139,7 @@ def test_native_int8_stays_close_to_the_float32_reference(folders, name):
 def test_native_rows_are_batch_invariant_and_every_level_computes_the_same_bits(folders, name):
     """Exact: the q/k norms are per row, so a token's logits are the same bits alone, among
     draft tokens and next to another request, on every CPU level."""
-    loaded = load_model(folders[name], quantization="int8")
-    ids = ragged_prompts(1, seed=5, lo=40, hi=41)[0]
-    out = []
-    for lvl in LEVELS:
-        loaded.model.level = lvl
-        runner = ModelRunner.paged(loaded.model, 16, 16)
-
-        def run(tables, starts, tokens):
-            return runner.execute(ForwardBatch(tables, starts, tokens, all_logits=True))
-
-        run([[0, 1, 2]], [0], [ids[:30]])
-        run([[8, 9]], [0], [[7, 8, 9, 10, 11]])
-        alone = run([[0, 1, 2]], [30], [ids[30:31]])[0, 0]
-        verify = run([[0, 1, 2]], [30], [ids[30:36]])[0]
-        batched = run([[8, 9], [0, 1, 2]], [5, 30], [[12, 13, 14], ids[30:36]])
-        assert torch.equal(verify[0], alone) and torch.equal(batched[1, :6], verify), Isa(lvl).label
-        out.append(verify)
-    for lvl, o in zip(LEVELS[1:], out[1:]):
-        assert torch.equal(o, out[0]), Isa(lvl).label
+    assert_native_rows_batch_invariant(load_model(folders[name], quantization="int8"), LEVELS)
 
 
 # --- GGUF ------------------------------------------------------------------------------------

@@ -19,13 +19,13 @@ import torch
 
 from specserve import native
 from specserve.errors import ModelLoadError
-from specserve.hardware import Isa
 from specserve.llm import LLM
 from specserve.model.attention import DenseKVCache
 from specserve.model.loader import load_model
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.sampling_params import SamplingParams
-from tests.helpers import edit_config, generate_ids, make_varied_checkpoint, native_levels, ragged_prompts, write_gguf
+from tests.helpers import (assert_native_rows_batch_invariant, edit_config, generate_ids, make_varied_checkpoint,
+                           native_levels, ragged_prompts, write_gguf)
 
 TOL = 1e-4  # float32 logits against transformers' (test_model_golden.py)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -128,6 +128,28 @@ def test_greedy_speculation_equals_plain(folders, tmp_path, name, quantization):
         assert generate_ids(spec_llm, prompts, GREEDY) == plain, spec
 
 
+# --- the native kernels --------------------------------------------------------------------
+
+
+@needs_native
+@pytest.mark.parametrize("name", CASES)
+def test_native_int8_stays_close_to_the_float32_reference(folders, name):
+    """Tolerance (test_native_model.py's int8 bound): the weights and activations round to int8."""
+    ref, nat = load_model(folders[name], dtype="float32"), load_model(folders[name], quantization="int8")
+    assert getattr(nat.model, "native", False)
+    ids = ragged_prompts(1, seed=9, lo=20, hi=21)[0]
+    a, b = _all_logits(ref, ids), _all_logits(nat, ids)
+    assert ((a - b).norm() / a.norm()).item() < 0.15
+
+
+@needs_native
+@pytest.mark.parametrize("name", CASES)
+def test_native_rows_are_batch_invariant_and_every_level_computes_the_same_bits(folders, name):
+    """Exact: past the window, a token's logits are the same bits alone, among draft tokens and
+    next to another request, on every CPU level."""
+    assert_native_rows_batch_invariant(load_model(folders[name], quantization="int8"), LEVELS)
+
+
 # --- GGUF ------------------------------------------------------------------------------------
 
 
@@ -154,6 +176,19 @@ def test_a_float_gguf_loads_the_model_of_its_folder(folders, tmp_path, name):
     prompts = ragged_prompts(3, seed=6)
     assert generate_ids(LLM(loaded=b, max_num_seqs=3), prompts, GREEDY) == generate_ids(
         LLM(loaded=a, max_num_seqs=3), prompts, GREEDY)
+
+
+@needs_native
+@pytest.mark.parametrize("name", CASES)
+def test_a_q8_0_gguf_computes_the_bits_of_its_folder_quantized_at_load(folders, tmp_path, name):
+    """Exact: a Q8_0 GGUF runs on its own blocks, and the folder quantized to Q8_0 at load gives
+    the same blocks (one quantizer) and the same (1 + w) norms, so the same logits."""
+    folder = _as_llama_cpp_reads(folders[name], tmp_path)
+    path = write_gguf(folder, tmp_path / f"{name}.gguf", quantized=True)
+    file, quantized = load_model(path), load_model(folder, quantization="int8")
+    assert getattr(file.model, "native", False) and "Q8_0" in file.kernels
+    ids = ragged_prompts(1, seed=9, lo=20, hi=21)[0]
+    assert torch.equal(_all_logits(file, ids), _all_logits(quantized, ids))
 
 
 # --- what specserve refuses ------------------------------------------------------------------
