@@ -57,9 +57,23 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
+class _PlainReader(GGUFReader):
+    """The gguf package's reader, slicing the file through a plain ndarray view of its memory
+    map: each slice of the np.memmap itself builds a memmap object, and a vocabulary is parsed
+    into a few slices per token (Gemma 3's 262,144 tokens: 7.8 s against 2.3 s to open here)."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(str(path))
+        return _PlainReader(str(path))
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad files
         raise ModelLoadError(f"{path} is not a readable GGUF file: truncated or corrupt ({type(e).__name__}: {e})") from None
 
