@@ -97,6 +97,20 @@ def test_greedy_continuation_past_the_window_equals_transformers(folders, name):
     assert generate_ids(chunked, prompts, GREEDY) == want  # again: the prefix cache holds them now
 
 
+@pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_native_chunked_prefill_and_prefix_hits_give_the_whole_prompt_s_tokens(folders, name):
+    """Exact on the native kernels (a token's row depends on its inputs alone): a prompt in
+    chunks of 7, or after a prefix-cache hit, gives the tokens of one whole-prompt pass."""
+    shared = ragged_prompts(1, seed=4, lo=20, hi=21)[0]
+    prompts = [shared + [5, 9], shared + [7], ragged_prompts(1, seed=5, lo=25, hi=26)[0]]
+    loaded = load_model(folders[name], quantization="int8")
+    whole = [generate_ids(LLM(loaded=loaded, max_num_seqs=1, block_size=4), [p], GREEDY)[0] for p in prompts]
+    chunked = LLM(loaded=loaded, max_num_seqs=3, block_size=4, max_num_batched_tokens=7)
+    assert generate_ids(chunked, prompts, GREEDY) == whole
+    assert generate_ids(chunked, prompts, GREEDY) == whole  # again: the prefix cache holds them now
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_greedy_speculation_past_the_window_equals_plain(folders, quantization):
     """n-gram chains and trees verified past the window: a tree node's keys are its ancestors'
