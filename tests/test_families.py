@@ -8,19 +8,18 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import quantize
 from safetensors import safe_open
 
 from specserve import native
 from specserve.errors import ModelLoadError
-from specserve.hardware import Isa, machine
+from specserve.hardware import machine
 from specserve.llm import LLM
 from specserve.model.attention import DenseKVCache
 from specserve.model.loader import load_model
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.sampling_params import SamplingParams
-from tests.helpers import edit_config, generate_ids, make_tiny_checkpoint, native_levels, ragged_prompts
+from tests.helpers import (assert_native_rows_batch_invariant, edit_config, generate_ids, make_tiny_checkpoint,
+                           make_varied_checkpoint, native_levels, ragged_prompts, write_gguf)
 
 TOL = 1e-4  # float32 logits against transformers' (test_model_golden.py)
 
@@ -37,28 +36,10 @@ LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level t
 needs_native = pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
 
-def _make(folder, kind, seed=0, **config):
-    """A tiny checkpoint whose 1-D weights (norms, biases) are random too: a q_norm swapped with
-    k_norm, or a bias dropped, then shows in the logits."""
-    make_tiny_checkpoint(folder, kind, vocab_size=64, seed=seed, **config)
-    from safetensors.torch import save_file
-
-    path = folder / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, t in tensors.items():
-        if t.dim() == 1:
-            base = 1.0 if name.endswith("norm.weight") else 0.0
-            tensors[name] = base + 0.3 * torch.randn(t.shape, generator=g)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return folder
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    return {name: _make(root / name, **case) for name, case in CASES.items()}
+    return {name: make_varied_checkpoint(root / name, **case) for name, case in CASES.items()}
 
 
 def _reference(folder):
@@ -126,7 +107,7 @@ def test_greedy_speculation_equals_plain(folders, tmp_path, name, quantization):
     weights: greedy output token for token the plain output."""
     if quantization != "none" and native.load() is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
-    draft = _make(tmp_path / "draft", CASES[name]["kind"], seed=7, layers=1)
+    draft = make_varied_checkpoint(tmp_path / "draft", CASES[name]["kind"], seed=7, layers=1)
     prompts = ragged_prompts(4, seed=3)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     plain = generate_ids(LLM(folders[name], quantization=quantization, max_num_seqs=4), prompts, params)
@@ -158,94 +139,10 @@ def test_native_int8_stays_close_to_the_float32_reference(folders, name):
 def test_native_rows_are_batch_invariant_and_every_level_computes_the_same_bits(folders, name):
     """Exact: the q/k norms are per row, so a token's logits are the same bits alone, among
     draft tokens and next to another request, on every CPU level."""
-    loaded = load_model(folders[name], quantization="int8")
-    ids = ragged_prompts(1, seed=5, lo=40, hi=41)[0]
-    out = []
-    for lvl in LEVELS:
-        loaded.model.level = lvl
-        runner = ModelRunner.paged(loaded.model, 16, 16)
-
-        def run(tables, starts, tokens):
-            return runner.execute(ForwardBatch(tables, starts, tokens, all_logits=True))
-
-        run([[0, 1, 2]], [0], [ids[:30]])
-        run([[8, 9]], [0], [[7, 8, 9, 10, 11]])
-        alone = run([[0, 1, 2]], [30], [ids[30:31]])[0, 0]
-        verify = run([[0, 1, 2]], [30], [ids[30:36]])[0]
-        batched = run([[8, 9], [0, 1, 2]], [5, 30], [[12, 13, 14], ids[30:36]])
-        assert torch.equal(verify[0], alone) and torch.equal(batched[1, :6], verify), Isa(lvl).label
-        out.append(verify)
-    for lvl, o in zip(LEVELS[1:], out[1:]):
-        assert torch.equal(o, out[0]), Isa(lvl).label
+    assert_native_rows_batch_invariant(load_model(folders[name], quantization="int8"), LEVELS)
 
 
 # --- GGUF ------------------------------------------------------------------------------------
-
-
-def _gguf_name(hf: str, arch: str) -> str:
-    """The llama.cpp name of a Hugging Face tensor name (gguf's tensor map for qwen3 and phi3)."""
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
-    if hf in top:
-        return top[hf]
-    layer, rest = hf.removeprefix("model.layers.").split(".", 1)
-    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-             "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-             "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-             "self_attn.v_proj.bias": "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias",
-             "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-             "self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-             "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
-             # Phi-3: llama.cpp's ffn_up holds [gate; up].
-             "mlp.gate_up_proj.weight": "ffn_up.weight"}
-    return f"blk.{layer}.{names[rest]}"
-
-
-def write_gguf(folder, path, quantized: bool, drop=(), extra_tensors=None, meta=None):
-    """The folder's weights as a GGUF of its architecture (float32, or Q8_0 matrices with the
-    embedding kept float), with the metadata llama.cpp's converter writes for it."""
-    import json
-
-    cfg = json.loads((folder / "config.json").read_text())
-    arch = cfg["model_type"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    for key, (value, vtype) in (meta or {}).items():
-        writer.add_key_value(key, value, vtype)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    chars = [chr(c) for c in range(ord("A"), ord("A") + cfg["vocab_size"] - 3)]
-    writer.add_token_list(["<s>", "</s>", *chars, "AB"])
-    writer.add_token_merges(["A B"])
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(1)
-    with safe_open(str(folder / "model.safetensors"), framework="np") as f:
-        tensors = {_gguf_name(n, arch): f.get_tensor(n).astype(np.float32) for n in f.keys()}
-    tensors |= extra_tensors or {}
-    for name, t in tensors.items():
-        if name in drop:
-            continue
-        if quantized and t.ndim == 2 and name != "token_embd.weight":
-            writer.add_tensor(name, quantize(t, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, t)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3-bias", "phi3"])
@@ -293,21 +190,18 @@ def test_phi3_rope_variants_specserve_does_not_compute_are_refused_by_name(tmp_p
         load_model(folder)
 
 
-def test_phi3_sliding_window_serves_only_contexts_it_never_cuts(folders, tmp_path):
+def test_phi3_sliding_window_past_the_window_equals_transformers(folders, tmp_path):
     import shutil
 
-    folder = shutil.copytree(folders["phi3"], tmp_path / "w")
-    edit_config(folder, sliding_window=32)
-    with pytest.raises(ModelLoadError, match=r"sliding window of 32 positions.*--max-model-len 32"):
-        load_model(folder)
-    loaded = load_model(folder, dtype="float32", max_model_len=32)
-    assert loaded.config.sliding_window == 32
+    folder = edit_config(shutil.copytree(folders["phi3"], tmp_path / "w"), sliding_window=12)
+    loaded = load_model(folder, dtype="float32")
+    assert (loaded.config.sliding_window, loaded.config.window_layers) == (12, (0, 1))
     ref = _reference(folder)
-    assert ref.config.sliding_window == 32
-    prompt = [5, 9, 17, 30, 2]
+    assert ref.config.sliding_window == 12
+    prompt = ragged_prompts(1, seed=8, lo=20, hi=21)[0]
     ours = generate_ids(LLM(loaded=loaded, max_num_seqs=1), [prompt],
-                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
-    assert ours == _reference_greedy(ref, prompt, 20)
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert ours == _reference_greedy(ref, prompt, 12)
 
 
 def test_gguf_partial_rope_and_longrope_are_refused_by_name(folders, tmp_path):

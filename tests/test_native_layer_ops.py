@@ -1,5 +1,6 @@
 """specserve's native layer kernels (specserve/native/csrc/layer_ops.h): RMSNorm, RoPE, SiLU x up,
-exp_ps, the KV pool's float -> half rounding and paged attention over float16 pools.
+GELU x up, soft-capping (tanh_ps), exp_ps, the KV pool's float -> half rounding and paged
+attention over float16 pools (soft-capped, through sliding windows).
 
 Two kinds of test, kept apart:
 - tolerance: each kernel against a float64 torch reference, within float32 rounding (exp_ps within
@@ -63,7 +64,21 @@ class Seq:
         mask = tree.attention_mask()
         return cls(blocks, [start] * mask.shape[0], list(range(mask.shape[0])), start, mask)
 
-    def sees(self, i: int, p: int) -> bool:
+    def position(self, i: int) -> int:
+        """Query i's position: a chain token's is its slot, a tree node's start + depth - 1."""
+        if self.tree_rows is None or self.tree_rows[i] < 0:
+            return self.prefix[i] - 1
+        return self.tree_start + int(self.tree_mask[self.tree_rows[i]].sum()) - 1
+
+    def key_position(self, p: int) -> int:
+        m = p - self.tree_start
+        if self.tree_mask is None or not 0 <= m < self.tree_mask.shape[1]:
+            return p
+        return self.position(m)  # a tree's node m is its query m
+
+    def sees(self, i: int, p: int, window: int = 0) -> bool:
+        if window and self.key_position(p) <= self.position(i) - window:
+            return False
         if p < self.prefix[i]:
             return True
         if self.tree_rows is None or self.tree_rows[i] < 0:
@@ -88,7 +103,8 @@ class Pool:
         return seq.blocks[p // bs], p % bs
 
 
-def attend(level: int, q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float | None = None) -> torch.Tensor:
+def attend(level: int, q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float | None = None,
+           softcap: float = 0.0, window: int = 0) -> torch.Tensor:
     """q [num_tokens, heads, head_dim], the sequences' tokens in order -> [num_tokens, heads * head_dim]."""
     starts = [0]
     for s in seqs:
@@ -109,10 +125,14 @@ def attend(level: int, q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: floa
                     tree_start=torch.tensor([s.tree_start for s in seqs], dtype=torch.int64),
                     tree_size=torch.tensor([0 if s.tree_mask is None else s.tree_mask.shape[1] for s in seqs]),
                     tree_mask=torch.cat(masks).to(torch.uint8))
-    return ext.paged_attention(level, q, pool.k, pool.v, torch.tensor(starts), table, prefix, scale=scale, **tree)
+    if window:
+        tree["positions"] = torch.tensor([s.position(i) for s in seqs for i in range(len(s.prefix))])
+    return ext.paged_attention(level, q, pool.k, pool.v, torch.tensor(starts), table, prefix, scale=scale,
+                               softcap=softcap, window=window, **tree)
 
 
-def reference(q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float) -> torch.Tensor:
+def reference(q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float, softcap: float = 0.0,
+              window: int = 0) -> torch.Tensor:
     """Explicit softmax over each query's visible slots, in float64 (the pool's halves widened
     exactly, so the kernels' float32 rounding is all that differs)."""
     heads, kv_heads = q.shape[1], pool.k.shape[2]
@@ -120,10 +140,11 @@ def reference(q: torch.Tensor, pool: Pool, seqs: list[Seq], scale: float) -> tor
     for s in seqs:
         for i in range(len(s.prefix)):
             reach = max(s.prefix[i], s.tree_start + (0 if s.tree_mask is None else s.tree_mask.shape[1]))
-            slots = [pool.slot(s, p) for p in range(reach) if s.sees(i, p)]
+            slots = [pool.slot(s, p) for p in range(reach) if s.sees(i, p, window)]
             k = torch.stack([pool.k[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, 1)
             v = torch.stack([pool.v[b, o] for b, o in slots]).double().repeat_interleave(heads // kv_heads, 1)
-            probs = (torch.einsum("hd,lhd->hl", q[row].double(), k) * scale).softmax(-1)
+            scores = torch.einsum("hd,lhd->hl", q[row].double(), k) * scale
+            probs = (torch.tanh(scores / softcap) * softcap if softcap else scores).softmax(-1)
             out.append(torch.einsum("hl,lhd->hd", probs, v).reshape(-1))
             row += 1
     return torch.stack(out)
@@ -180,12 +201,29 @@ def test_rmsnorm_and_silu_mul_match_float64():
         assert (got - torch.nn.functional.silu(gate) * up).abs().max().item() <= 1e-6 * got.abs().max().item()
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 5])
-def test_attention_matches_float64(block_size):
-    q, pool, seqs = mixed_call(block_size, 64, seed=block_size)
-    ref = reference(q, pool, seqs, 0.125)
+def test_tanh_gelu_and_softcap_match_float64():
+    """tanh_ps within a few float32 ulp of 1 (absolute); GeGLU and soft-capping through it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.linspace(-12, 12, 200_000), torch.randn(16_000, generator=g) * 1e-3]).reshape(-1, 16)
+    gu = torch.randn(70, 2 * 1536, generator=g) * 4
+    gate, up = gu.double().split(1536, dim=-1)
+    gelu = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3))) * up
     for level in LEVELS:
-        assert (attend(level, q, pool, seqs).double() - ref).abs().max().item() <= 2e-6
+        tanh = ext.softcap(level, x, 1.0).double()
+        assert (tanh - torch.tanh(x.double())).abs().max().item() <= 3e-7
+        capped = ext.softcap(level, x * 40, 30.0).double()
+        assert (capped - torch.tanh(x.double() * 40 / 30) * 30).abs().max().item() <= 3e-5
+        got = ext.gelu_mul(level, gu).double()
+        assert (got - gelu).abs().max().item() <= 1e-6 * gelu.abs().max().item()
+
+
+@pytest.mark.parametrize("block_size, softcap, window", [(1, 0.0, 0), (16, 0.0, 0), (5, 0.0, 0), (16, 2.0, 0),
+                                                         (16, 0.0, 7), (5, 2.0, 3)])
+def test_attention_matches_float64(block_size, softcap, window):
+    q, pool, seqs = mixed_call(block_size, 64, seed=block_size)
+    ref = reference(q, pool, seqs, 0.125, softcap, window)
+    for level in LEVELS:
+        assert (attend(level, q, pool, seqs, softcap=softcap, window=window).double() - ref).abs().max().item() <= 2e-6
 
 
 # ---- exact: the same bits at every level, whatever shares the call ----------------------------
@@ -240,7 +278,9 @@ def test_every_level_gives_the_generic_bits(head_dim):
         rotated = x.clone()
         ext.rope_(level, rotated, pos, cos, sin, 7, head_dim)  # the last head stays as it is
         results[level] = dict(rmsnorm=ext.rmsnorm(level, x, w, 1e-6), silu_mul=ext.silu_mul(level, x),
-                              exp_ps=ext.exp_ps(level, exp_in), rope=rotated, attention=attend(level, q, pool, seqs))
+                              gelu_mul=ext.gelu_mul(level, x), softcap=ext.softcap(level, x[:, 3:], 2.5),
+                              exp_ps=ext.exp_ps(level, exp_in), rope=rotated, attention=attend(level, q, pool, seqs),
+                              windowed=attend(level, q, pool, seqs, softcap=4.0, window=5))
     assert torch.equal(results[0]["rope"][:, 7 * head_dim:], x[:, 7 * head_dim:])
     for level in LEVELS[1:]:
         for name, value in results[level].items():
@@ -263,10 +303,11 @@ def test_rope_equals_the_torch_path():
         assert_same_bits(got, want, f"rope at level {level}")
 
 
-@pytest.mark.parametrize("context", [1, 16, 17, 1000])
-def test_attention_output_does_not_depend_on_the_rest_of_the_call(context):
+@pytest.mark.parametrize("context, window", [(1, 0), (16, 0), (17, 0), (1000, 0), (17, 9), (1000, 9)])
+def test_attention_output_does_not_depend_on_the_rest_of_the_call(context, window):
     """A decode query alone; as the first token of 1..17 verification tokens; beside other
-    sequences (chains, a tree, other lengths); with different partners: the same bits."""
+    sequences (chains, a tree, other lengths); with different partners: the same bits (through
+    a sliding window too, where each query's window starts elsewhere)."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     pool = Pool.random(400, block_size, kv_heads, head_dim, seed=context)
     mine = scattered_blocks(-(-(context + 17) // block_size), 200, seed=context)
@@ -277,10 +318,10 @@ def test_attention_output_does_not_depend_on_the_rest_of_the_call(context):
     partners = [Seq.chain(others[0], 700, 9), Seq.tree(others[1], 12, small_tree()), Seq.chain(others[2], 3, 1)]
     qp = [torch.randn(len(s.prefix), heads, head_dim, generator=g) for s in partners]
     for level in LEVELS:
-        alone = attend(level, q[:1], pool, [Seq.chain(mine, context - 1, 1)])
-        last_alone = attend(level, q[16:], pool, [Seq([*mine], [context + 16])])
+        alone = attend(level, q[:1], pool, [Seq.chain(mine, context - 1, 1)], window=window)
+        last_alone = attend(level, q[16:], pool, [Seq([*mine], [context + 16])], window=window)
         for width in range(1, 18):
-            got = attend(level, q[:width], pool, [Seq.chain(mine, context - 1, width)])
+            got = attend(level, q[:width], pool, [Seq.chain(mine, context - 1, width)], window=window)
             assert_same_bits(got[:1], alone, f"level {level}, first of {width} tokens")
         assert_same_bits(got[16:], last_alone, f"level {level}, last of 17 tokens")
         for chosen in ([0], [1], [0, 2], [2, 1, 0]):
@@ -288,14 +329,16 @@ def test_attention_output_does_not_depend_on_the_rest_of_the_call(context):
             lead = sum(len(s.prefix) for s in seqs[:1])
             call = seqs[:1] + [Seq.chain(mine, context - 1, 1)] + seqs[1:]
             qs = torch.cat([qp[chosen[0]], q[:1], *[qp[i] for i in chosen[1:]]])
-            got = attend(level, qs, pool, call)
+            got = attend(level, qs, pool, call, window=window)
             assert_same_bits(got[lead:lead + 1], alone, f"level {level}, beside partners {chosen}")
 
 
-def test_tree_query_equals_the_chain_query_of_its_accepted_path():
+@pytest.mark.parametrize("window", [0, 3, 40])
+def test_tree_query_equals_the_chain_query_of_its_accepted_path(window):
     """Node 5 of the tree (path root -> 0 -> 2 -> 5) sees the context, the root and its ancestors;
     after compaction its path sits right after the root, where a chain query sees the same keys in
-    the same order at other slots."""
+    the same order at other slots. Through a window of 3 it sees its path alone, not the root: a
+    window counts the ancestors' positions, not their slots."""
     heads, kv_heads, head_dim, block_size, start = 9, 3, 64, 16, 300
     tree = small_tree()
     path = [0, 2, 5]
@@ -311,8 +354,8 @@ def test_tree_query_equals_the_chain_query_of_its_accepted_path():
         pool.k[dst], pool.v[dst] = pool.k[src], pool.v[src]
     q = torch.randn(tree.num_nodes + 1, heads, head_dim, generator=torch.Generator().manual_seed(6))
     for level in LEVELS:
-        in_tree = attend(level, q, pool, [tree_seq])[1 + path[-1]]
-        as_chain = attend(level, q[1 + path[-1]:2 + path[-1]], pool, [chain_seq])[0]
+        in_tree = attend(level, q, pool, [tree_seq], window=window)[1 + path[-1]]
+        as_chain = attend(level, q[1 + path[-1]:2 + path[-1]], pool, [chain_seq], window=window)[0]
         assert_same_bits(in_tree, as_chain, f"level {level}")
 
 

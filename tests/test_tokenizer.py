@@ -257,9 +257,53 @@ def _write_gguf(path, model: str, pre: str = "default") -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 
+def _spm_reference(text: str, vocab: dict[str, int], scores: list[float]) -> list[int]:
+    """llama.cpp's SentencePiece BPE, written plainly: spaces as U+2581, then merge the adjacent
+    pair whose concatenation is the highest-scoring token (leftmost among equals) until none is;
+    a symbol without a token becomes its UTF-8 bytes' <0xNN> tokens."""
+    symbols = list(text.replace(" ", "\u2581"))
+    while True:
+        pairs = [(scores[vocab[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in vocab]
+        if not pairs:
+            break
+        i = -max(pairs)[1]
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    return [i for s in symbols for i in ([vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()])]
+
+
+def test_sentencepiece_gguf_tokenizer_merges_by_score_with_byte_fallback(tmp_path):
+    """Exact against the reference on random text: merges chosen by score, not by order of
+    appearance; characters outside the vocabulary (é) as bytes; a control token matched whole."""
+    import random
+
+    pieces = ["\u2581", "a", "b", "c", "ab", "bc", "ca", "\u2581a", "abc", "bca", "\u2581ab", "cab", "aa"]
+    tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces, "<ctl>"]
+    rng = random.Random(0)
+    scores = [0.0] * 259 + [rng.uniform(-10, 0) for _ in pieces] + [0.0]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [3]
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(False)
+    writer.add_bos_token_id(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "spm.gguf"))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    for _ in range(300):
+        text = "".join(rng.choice("abc é") for _ in range(rng.randrange(1, 12)))
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == _spm_reference(text, vocab, scores), text
+        assert tok.decode(ids) == text
+    assert tok.encode("ab<ctl>ca", add_special_tokens=False) == [vocab["ab"], len(tokens) - 1, vocab["ca"]]
+
+
 def test_unsupported_gguf_tokenizers(tmp_path):
-    with pytest.raises(ModelLoadError, match="'llama'.*supports 'gpt2'"):
-        Tokenizer.from_gguf(_write_gguf(tmp_path / "spm.gguf", "llama"))
+    with pytest.raises(ModelLoadError, match="'t5'.*supports 'gpt2', 'llama'"):
+        Tokenizer.from_gguf(_write_gguf(tmp_path / "unigram.gguf", "t5"))
     with pytest.raises(ModelLoadError, match="tokenizer.ggml.pre='mystery'"):
         Tokenizer.from_gguf(_write_gguf(tmp_path / "pre.gguf", "gpt2", pre="mystery"))
 

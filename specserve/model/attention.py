@@ -9,7 +9,7 @@ position p only sees keys at positions <= p, all of which were (re)written by th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,18 +28,64 @@ class AttentionMetadata:
     # every row sees all keys causally without help (a single request with one query token).
     mask: torch.Tensor | None
     single_slot: int | None  # the slot when B == 1, so that reads are views, not gathers
+    scale: float | None = None  # scores are q.k * scale; None: head_dim ** -0.5 (the model's, layer_inputs)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) (Gemma 2); None: none
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """The attention both caches end in. q: [B, T, H, D]; keys, values: [B, Hkv, S, D] (views
-    are fine); mask: additive [B, 1, T, S] or None -> [B, T, H * D]."""
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The attention every cache ends in. q: [B, T, H, D]; keys, values: [B, Hkv, S, D] (views
+    are fine); mask: additive [B, 1, T, S] or None; scale: None for D ** -0.5; softcap: None,
+    or the cap of the scores (before the mask) -> [B, T, H * D]."""
     bsz, t, h, d = q.shape
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != h,
-    )  # [B, H, T, D]
+    if softcap is not None:
+        out = _capped_attention(q.transpose(1, 2), keys, values, mask, d ** -0.5 if scale is None else scale, softcap)
+    else:
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != h, scale=scale,
+        )  # [B, H, T, D]
     if t == 1:  # [B, H, 1, D] is already laid out as [B, 1, H * D]
         return out.reshape(bsz, 1, h * d)
     return out.transpose(1, 2).reshape(bsz, t, h * d)
+
+
+def _capped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float, cap: float) -> torch.Tensor:
+    """Soft-capped attention, which SDPA cannot compute, as Gemma 2's reference does: scores in
+    the model dtype, capped, masked, softmax in float32. q [B, H, T, D]; keys, values
+    [B, Hkv, S, D] -> [B, H, T, D]."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.tanh(torch.matmul(q, keys.transpose(2, 3)) * scale / cap) * cap  # [B, H, T, S]
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
+
+
+def window_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, 1, T, S] of a windowed layer: the keys `mask` lets a query see
+    (every key where None) whose position lies within `window` of the query's, key position >
+    query position - window. q_pos [B, T]; k_pos [B, S] (or [1, S])."""
+    near = (k_pos[:, None, None, :] > q_pos[:, None, :, None] - window)  # [B, 1, T, S]
+    seen = near if mask is None else near & (mask == 0)
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
+def windowed_metadata(meta, window: int, dtype: torch.dtype):
+    """The metadata of a padded pass (a dense or paged cache's) as its windowed layers read
+    it: masks cut to the window (window_mask); key s sits at position s, or where a paged
+    pass's token tree puts it (PagedAttentionMetadata.key_positions). dtype: the cache's."""
+    s = meta.context_len
+    k_pos = getattr(meta, "key_positions", None)
+    if k_pos is None:
+        k_pos = torch.arange(s, device=meta.positions.device)[None]
+    mask = window_mask(meta.mask, meta.positions, k_pos, window, dtype)
+    groups = getattr(meta, "groups", None)
+    if groups is not None:
+        groups = [replace(g, mask=mask[g.rows, :, :, :g.context_len]) for g in groups]
+        return replace(meta, mask=mask, groups=groups)
+    return replace(meta, mask=mask)
 
 
 class DenseKVCache:
@@ -107,4 +153,4 @@ class DenseKVCache:
         else:
             rows = meta.slot_ids[:, None] * self.stride + torch.arange(s, device=q.device)[None, :]
             keys, values = self.k[layer][rows].transpose(1, 2), self.v[layer][rows].transpose(1, 2)  # [B, Hkv, S, D]
-        return attention(q, keys, values, meta.mask)
+        return attention(q, keys, values, meta.mask, meta.scale, meta.softcap)

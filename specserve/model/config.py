@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from specserve.errors import ModelLoadError
+from specserve.model.families import GEMMA, hf_family_fields
 from specserve.model.limits import (HF_KEYS, ROPE_TYPES, FieldReader, check_rope_scaling, read_dimensions, read_flag,
-                                    read_hf_full_rotary, read_hf_sliding_window, read_rope_theta)
+                                    read_hf_full_rotary, read_hf_windows, read_rope_theta)
 
 # Architectures whose weights map onto the project's Llama-family model, each difference a flag
 # of ModelConfig: Qwen2's qkv bias (attention_bias), Qwen3's per-head q/k RMSNorm (qk_norm) and
-# free head_dim, Phi-3's fused qkv and gate/up tensors (split at load, weights.split_fused).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# free head_dim, Phi-3's fused qkv and gate/up tensors (split at load, weights.split_fused),
+# Gemma 2 and 3's sandwich norms, GeGLU, scaled embeddings, soft-capping and local/global layers.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)
 SUPPORTED_ROPE_TYPES = ROPE_TYPES
 
 
@@ -40,10 +42,25 @@ class ModelConfig:
     # eps rms_norm_eps), after the projections and before RoPE: Qwen3.
     qk_norm: bool = False
     tie_word_embeddings: bool = False
-    # Some layers attend only to the latest `sliding_window` positions (the query's own
-    # included); None: every layer sees the whole context. specserve computes full attention,
-    # so the loader refuses a context longer than the window (check_context).
+    # The layers `window_layers` (indices) attend through a sliding window: a token at position
+    # p sees the keys at positions (p - sliding_window, p]; the others see the whole context.
     sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()
+    # RoPE base of the windowed layers where it is their own (Gemma 3's rope_local_base_freq:
+    # plain RoPE there; rope_scaling applies to the global layers only). None: rope_theta.
+    local_rope_theta: float | None = None
+    # Gemma 2/3: RMSNorm on the attention's and the MLP's outputs too, before their residual
+    # adds (post_attention_layernorm, then pre_/post_feedforward_layernorm around the MLP).
+    # Every norm weight is kept as the (1 + w) the model multiplies by, as GGUF files store it.
+    sandwich_norms: bool = False
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, tanh-approximated)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model dtype first (Gemma)
+    # Attention scores are q.k * query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # Soft-capping (Gemma 2): scores -> cap * tanh(scores / cap) before the mask and softmax,
+    # and the final logits likewise; None: none.
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +78,22 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if any(not 0 <= i < self.num_layers for i in self.window_layers) or (self.sliding_window is None) != (
+                not self.window_layers):
+            raise ModelLoadError(f"window_layers {list(self.window_layers)} must be layers of the model's "
+                                 f"{self.num_layers}, given with a sliding_window ({self.sliding_window})")
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.head_dim if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar) ** -0.5
+
+    def windowed(self, layer: int) -> bool:
+        return layer in self.window_layers
+
+    def subset(self, keep: Sequence[int]) -> "ModelConfig":
+        """The config of a model made of the layers `keep` (increasing indices) alone."""
+        return replace(self, num_layers=len(keep), window_layers=tuple(j for j, i in enumerate(keep)
+                                                                        if i in self.window_layers))
 
     @property
     def rope_type(self) -> str:
@@ -81,7 +114,7 @@ class ModelConfig:
             self.hidden_size * (self.q_size + 2 * self.kv_size)
             + self.q_size * self.hidden_size
             + 3 * self.hidden_size * self.intermediate_size
-            + 2 * self.hidden_size
+            + (4 if self.sandwich_norms else 2) * self.hidden_size
             + (self.q_size + 2 * self.kv_size if self.attention_bias else 0)
             + (self.hidden_size if self.o_bias else 0)
             + (2 * self.head_dim if self.qk_norm else 0)
@@ -103,15 +136,22 @@ class ModelConfig:
             r.fail("model_type", model_type, f"must be a string, one of {', '.join(SUPPORTED_ARCHITECTURES)}")
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             r.fail("architectures", archs, 'must be a list of class names such as ["LlamaForCausalLM"]')
-        arch = model_type or (archs[0].lower().removesuffix("forcausallm") if archs else "")
+        if model_type == "gemma3":  # the multimodal config: its text model sits under text_config
+            r.fail("model_type", model_type, "specserve loads Gemma 3's text model (Gemma3ForCausalLM, model_type "
+                   "gemma3_text), not the multimodal Gemma3ForConditionalGeneration")
+        # (transformers' Gemma 3 text model is "gemma3_text"; GGUF calls it "gemma3")
+        arch = (model_type or (archs[0].lower().removesuffix("forcausallm") if archs else "")).removesuffix("_text")
         if arch not in SUPPORTED_ARCHITECTURES:  # (before the sizes: a gpt2 config names other keys)
             raise ModelLoadError(
                 f"unsupported model architecture {arch!r}; specserve supports: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        # transformers' Qwen3 config gives head_dim 128 where config.json names none.
+        # transformers' Qwen3 config gives head_dim 128 where config.json names none, Gemma's 256.
         dims = read_dimensions(r, HF_KEYS, context_default=2048, eps_default=1e-6,
-                               head_dim_default=128 if arch == "qwen3" else None)
+                               head_dim_default={"qwen3": 128, "gemma2": 256, "gemma3": 256}.get(arch))
+        family = hf_family_fields(r, arch, cfg.keys())
         rope_params = cfg.get("rope_parameters") or {}
+        if arch == "gemma3" and "full_attention" in rope_params:  # per layer kind: the global layers'
+            rope_params = rope_params["full_attention"] if isinstance(rope_params["full_attention"], dict) else {}
         if not isinstance(rope_params, dict):
             r.fail("rope_parameters", rope_params, "must be an object such as {\"rope_theta\": 10000.0}")
         rope_scaling = cfg.get("rope_scaling") or None
@@ -121,32 +161,26 @@ class ModelConfig:
             key = "rope_parameters"
         theta_key, raw_theta = (("rope_theta", cfg["rope_theta"]) if "rope_theta" in cfg
                                 else ("rope_parameters.rope_theta", rope_params.get("rope_theta")))
-        theta = read_rope_theta(FieldReader(where, {theta_key: raw_theta}.get), theta_key, 10000.0)
+        theta = read_rope_theta(FieldReader(where, {theta_key: raw_theta}.get), theta_key,
+                                1e6 if arch == "gemma3" else 10000.0)
         read_hf_full_rotary(r, rope_params)
         # Qwen2 always has a qkv bias and no config flag for it; Llama's and Qwen3's flag also
         # puts a bias on the o projection (transformers' modelling), Qwen2's and Mistral's not.
         attention_bias = read_flag(r, "attention_bias", arch == "qwen2")
+        window, window_layers = read_hf_windows(r, arch, dims["num_layers"])
         return cls(
             architecture=arch,
             **dims,
             rope_theta=theta,
             rope_scaling=check_rope_scaling(r, key, rope_scaling, dims["max_position_embeddings"]),
             attention_bias=attention_bias,
-            o_bias=attention_bias and arch in ("llama", "qwen3"),
-            qk_norm=arch == "qwen3",
-            tie_word_embeddings=read_flag(r, "tie_word_embeddings", False),
-            sliding_window=read_hf_sliding_window(r, arch, dims["num_layers"]),
+            o_bias=attention_bias and arch in ("llama", "qwen3", *GEMMA),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            tie_word_embeddings=read_flag(r, "tie_word_embeddings", arch in GEMMA),
+            sliding_window=window,
+            window_layers=window_layers,
+            **family,
         )
-
-    def check_context(self, positions: int, where: str) -> None:
-        """Refuse to serve `positions` positions where a windowed layer would then see fewer
-        keys than full attention gives it: the output would silently differ from the model's."""
-        w = self.sliding_window
-        if w is not None and positions > w:
-            raise ModelLoadError(
-                f"{where}: the model's layers attend through a sliding window of {w} positions (sliding_window), "
-                f"which specserve does not compute yet; contexts longer than {w} tokens would silently differ "
-                f"from the model's output. Pass --max-model-len {w} (or less), or use a model without a window")
 
 
 
@@ -159,14 +193,18 @@ def check_layer_subset(keep: Sequence[int], num_layers: int) -> tuple[int, ...]:
     return keep
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies of RoPE, [head_dim // 2] float32, with the config's scaling applied.
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies of RoPE, [head_dim // 2] float32, with the config's scaling applied
+    (`local`: the windowed layers' own, plain RoPE of base local_rope_theta).
 
     Computed in float32 the same way the reference implementation does, so that positions far
     into the context get bit-identical angles.
     """
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    if local:
+        return 1.0 / (cfg.local_rope_theta ** exponents)
+    inv = 1.0 / (cfg.rope_theta ** exponents)
     if cfg.rope_scaling and "freq_factors" in cfg.rope_scaling:
         # GGUF files of Llama 3.1 carry the scaled frequencies as per-frequency divisors.
         return inv / torch.tensor(cfg.rope_scaling["freq_factors"], dtype=torch.float32)

@@ -77,6 +77,8 @@ class FlatAttentionMetadata:
     groups: list[FlatGroup]
     # One group holds every token in order, unpadded: its output is the layer's as it is.
     whole: bool
+    scale: float | None = None  # as AttentionMetadata's
+    softcap: float | None = None
 
 
 def group_requests(query_lens: list[int], contexts: list[int]) -> list[list[int]]:
@@ -112,9 +114,11 @@ def group_requests(query_lens: list[int], contexts: list[int]) -> list[list[int]
     return groups
 
 
-def flat_metadata(flat: FlatBatch, device: torch.device, dtype: torch.dtype) -> FlatAttentionMetadata:
+def flat_metadata(flat: FlatBatch, device: torch.device, dtype: torch.dtype,
+                  window: int | None = None) -> FlatAttentionMetadata:
     """The pass's groups and index tensors, from a FlatBatch whose tensors live on the host.
-    `dtype`: the cache's (masks are added to its scores)."""
+    `dtype`: the cache's (masks are added to its scores). `window`: as a windowed layer sees
+    the keys, only those at positions above the query's position - window."""
     q_start = flat.q_start.tolist()
     lens = [b - a for a, b in zip(q_start, q_start[1:])]
     request = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [N]
@@ -124,13 +128,14 @@ def flat_metadata(flat: FlatBatch, device: torch.device, dtype: torch.dtype) -> 
         context = torch.maximum(context, flat.tree_start + flat.tree_size)
     contexts = context.tolist()
     unit = flat.block_size if flat.block_size <= _MAX_GATHER_BLOCK else 1
-    groups = [_group(flat, members, lens, contexts, unit, dtype) for members in group_requests(lens, contexts)]
+    groups = [_group(flat, members, lens, contexts, unit, dtype, window)
+              for members in group_requests(lens, contexts)]
     whole = len(groups) == 1 and isinstance(groups[0].queries, slice)
     return _on_device(FlatAttentionMetadata(flat.token_ids, flat.positions, flat.slots, unit, groups, whole), device)
 
 
 def _group(flat: FlatBatch, members: list[int], lens: list[int], contexts: list[int], unit: int,
-           dtype: torch.dtype) -> FlatGroup:
+           dtype: torch.dtype, window: int | None) -> FlatGroup:
     """The host tensors of one group of requests (`members`, in batch order)."""
     bs, n = flat.block_size, flat.num_tokens
     r = torch.tensor(members)
@@ -157,10 +162,24 @@ def _group(flat: FlatBatch, members: list[int], lens: list[int], contexts: list[
         inside = (row >= 0) & (rel >= 0)[:, None] & (rel < flat.tree_size[r][:, None])[:, None]
         seen = flat.tree_mask[(row + rel[:, None]).clamp_(0, flat.tree_mask.numel() - 1)].bool()
         visible |= inside & seen
+    if window is not None:
+        visible &= _key_positions(flat, r, sg)[:, None, :] > flat.positions[tokens][:, :, None] - window
     mask = None
     if not bool(visible.all()):
         mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf")).unsqueeze(1)
     return FlatGroup((bg, tg, sg), queries, torch.where(valid, tokens, n).reshape(-1), keys, mask)
+
+
+def _key_positions(flat: FlatBatch, r: torch.Tensor, sg: int) -> torch.Tensor:
+    """[Bg, Sg] the position of each key of requests `r`: slot s holds position s, but for a
+    token tree's node m (slot tree_start + m), the position of the request's query token m."""
+    keys = torch.arange(sg).repeat(len(r), 1)
+    if flat.tree_row is None:
+        return keys
+    rel = keys - flat.tree_start[r][:, None]  # [Bg, Sg] tree node at each key
+    node = (rel >= 0) & (rel < flat.tree_size[r][:, None])
+    token = (flat.q_start[r][:, None] + rel).clamp_(0, flat.num_tokens - 1)
+    return torch.where(node, flat.positions[token], keys)
 
 
 def _on_device(meta: FlatAttentionMetadata, device: torch.device) -> FlatAttentionMetadata:
@@ -219,15 +238,16 @@ class FlatKV:
         pool_k.index_copy_(0, meta.slots, k)
         pool_v.index_copy_(0, meta.slots, v)
         if meta.whole:
-            return self._group(q, pool_k, pool_v, meta.groups[0], meta.unit).reshape(q.shape[0], -1)
+            return self._group(q, pool_k, pool_v, meta.groups[0], meta).reshape(q.shape[0], -1)
         out = q.new_empty(q.shape[0] + 1, q.shape[1] * q.shape[2])  # row N: padding's trash
         for g in meta.groups:
-            out.index_copy_(0, g.outputs, self._group(q, pool_k, pool_v, g, meta.unit).flatten(0, 1))
+            out.index_copy_(0, g.outputs, self._group(q, pool_k, pool_v, g, meta).flatten(0, 1))
         return out[:-1]
 
     def _group(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, g: FlatGroup,
-               unit: int) -> torch.Tensor:
+               meta: FlatAttentionMetadata) -> torch.Tensor:
         """One group's attention -> [Bg, Tg, H * D]."""
+        unit = meta.unit
         bg, tg, sg = g.shape
         rows = q[g.queries] if isinstance(g.queries, slice) else q.index_select(0, g.queries)
         qg = rows.unflatten(0, (bg, tg))  # [Bg, Tg, H, D]
@@ -240,4 +260,4 @@ class FlatKV:
             values = torch.index_select(pool_v.view(-1, *shape[1:]), 0, g.keys, out=self.buffers.get(1, shape, pool_v))
             keys = keys.view(bg, -1, *shape[2:])[:, :sg]  # [Bg, Sg, Hkv, D]
             values = values.view(bg, -1, *shape[2:])[:, :sg]
-        return attention(qg, keys.transpose(1, 2), values.transpose(1, 2), g.mask)
+        return attention(qg, keys.transpose(1, 2), values.transpose(1, 2), g.mask, meta.scale, meta.softcap)

@@ -13,7 +13,8 @@ from gguf.quants import dequantize
 
 from specserve.errors import ModelLoadError
 from specserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from specserve.model.limits import MAX_CONTEXT, FieldReader, gguf_keys, read_dimensions, read_rope_theta
+from specserve.model.families import GEMMA, gguf_family_fields
+from specserve.model.limits import FieldReader, gguf_keys, read_dimensions, read_rope_theta
 from specserve.model.llama import LlamaModel
 from specserve.model.native_llama import Blocks, Weight
 from specserve.model.weights import build_model, checkpoint_shape, expected_shapes, split_fused
@@ -40,6 +41,12 @@ _LAYER_NAMES = {
 # Phi-3's ffn_up holds [gate; up] by rows (llama.cpp's phi3 graph splits it in halves, SiLU on
 # the first), and there is no ffn_gate.
 _PHI3_NAMES = _LAYER_NAMES | {"ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Gemma's ffn_norm is the MLP's input norm (pre_feedforward_layernorm); post_attention_norm and
+# post_ffw_norm normalise the attention's and the MLP's outputs. Its converter stores every norm
+# weight as the (1 + w) the model multiplies by, which is how specserve keeps them too.
+_GEMMA_NAMES = _LAYER_NAMES | {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                               "post_attention_norm.weight": "post_attention_layernorm.weight",
+                               "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -50,9 +57,23 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
+class _PlainReader(GGUFReader):
+    """The gguf package's reader, slicing the file through a plain ndarray view of its memory
+    map: each slice of the np.memmap itself builds a memmap object, and a vocabulary is parsed
+    into a few slices per token (Gemma 3's 262,144 tokens: 7.8 s against 2.3 s to open here)."""
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: Path) -> GGUFReader:
     try:
-        return GGUFReader(str(path))
+        return _PlainReader(str(path))
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError... on bad files
         raise ModelLoadError(f"{path} is not a readable GGUF file: truncated or corrupt ({type(e).__name__}: {e})") from None
 
@@ -106,9 +127,7 @@ def read_gguf_config(reader: GGUFReader, path: Path) -> ModelConfig:
         o_bias="blk.0.attn_output.bias" in by_name,
         qk_norm="blk.0.attn_q_norm.weight" in by_name,
         tie_word_embeddings="output.weight" not in by_name,
-        # (llama.cpp, like transformers, gives the llama architecture full attention whatever the key says)
-        sliding_window=(None if arch == "llama" or r.lookup(f"{arch}.attention.sliding_window") is None
-                        else r.integer(f"{arch}.attention.sliding_window", 1, MAX_CONTEXT)),
+        **gguf_family_fields(r, arch, dims),
     )
     check_gguf_tensors(reader, path, cfg)
     return cfg
@@ -180,13 +199,17 @@ def _gguf_name(hf: str, arch: str) -> str:
     layer, rest = hf.removeprefix("model.layers.").split(".", 1)
     if arch == "phi3" and rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
         return f"blk.{layer}.ffn_up.weight"
-    return f"blk.{layer}." + next(g for g, h in _LAYER_NAMES.items() if h == rest)
+    return f"blk.{layer}." + next(g for g, h in _layer_names(arch).items() if h == rest)
+
+
+def _layer_names(arch: str) -> dict[str, str]:
+    return _PHI3_NAMES if arch == "phi3" else _GEMMA_NAMES if arch in GEMMA else _LAYER_NAMES
 
 
 def _hf_name(name: str, arch: str) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    names = _PHI3_NAMES if arch == "phi3" else _LAYER_NAMES
+    names = _layer_names(arch)
     m = _BLOCK.fullmatch(name)
     if m and m.group(2) in names:
         return f"model.layers.{m.group(1)}.{names[m.group(2)]}"

@@ -97,7 +97,8 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def hf_tensors(folder: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, torch.Tensor]], int]:
     """(name, tensor) pairs of a model folder's weight files (checked by check_hf_tensors), fused
-    tensors split into their parts (weights.split_fused), and how many pairs there are."""
+    tensors split into their parts (weights.split_fused), and how many pairs there are. Gemma's
+    norm weights w come as the float32 (1 + w) its RMSNorm multiplies by (what a GGUF stores)."""
     files = safetensors_files(folder)
     handles = [h for _, h in _open_all(files)]
     total = sum(len(fused_parts(name) or (name,)) for h in handles for name in h.keys())
@@ -110,6 +111,8 @@ def hf_tensors(folder: Path, cfg: ModelConfig) -> tuple[Iterator[tuple[str, torc
                     tensor = h.get_tensor(name)
                 except (SafetensorError, OSError) as e:
                     raise ModelLoadError(f"corrupt tensor {name} in {f}: {e}") from None
+                if cfg.sandwich_norms and name.endswith("norm.weight"):
+                    tensor = tensor.float() + 1.0
                 yield from split_fused(expected, name, tensor)
 
     return tensors(), total

@@ -133,27 +133,41 @@ def read_dimensions(r: FieldReader, keys: DimensionKeys, *, vocab_default: objec
     )
 
 
-def read_hf_sliding_window(r: FieldReader, arch: str, num_layers: int) -> int | None:
-    """The attention window of a config.json's windowed layers, None when no layer is windowed,
-    as transformers reads it: `layer_types` naming "sliding_attention" layers where given; else
-    every Mistral and Phi-3 layer, and Qwen2's and Qwen3's layers from `max_window_layers` on
-    when `use_sliding_window` is true. Llama ignores the key (transformers' Llama attends to the
-    whole context)."""
-    if arch == "llama" or r.lookup("sliding_window") is None:
-        return None
-    window = r.integer("sliding_window", 1, MAX_CONTEXT)
+def read_hf_windows(r: FieldReader, arch: str, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(the attention window, the indices of the layers that attend through it) of a
+    config.json, as transformers reads it: Llama has none (it ignores the key); Mistral and
+    Phi-3 window every layer when sliding_window is set (their modelling ignores layer_types);
+    Qwen2 and Qwen3 window the layers `layer_types` names "sliding_attention", else those from
+    max_window_layers on, only when use_sliding_window is true; Gemma 2 and 3 the layers
+    `layer_types` names, else every one but each sliding_window_pattern-th (2 for Gemma 2, 6 for
+    Gemma 3), with a default window of 4096. A window nothing can honour (Qwen2's layer_types
+    naming windowed layers without use_sliding_window, where transformers fails) is refused."""
+    if arch == "llama":
+        return None, ()
+    gemma = arch in ("gemma2", "gemma3")
+    if r.lookup("sliding_window") is None and not gemma:
+        return None, ()
+    window = r.integer("sliding_window", 1, MAX_CONTEXT, default=4096)
+    if arch in ("mistral", "phi3"):
+        return window, tuple(range(num_layers))
     types = r.lookup("layer_types")
     if types is not None:
         kinds = ("full_attention", "sliding_attention")
         if not isinstance(types, list) or len(types) != num_layers or any(t not in kinds for t in types):
             r.fail("layer_types", types, f"must list {num_layers} entries, each one of {', '.join(kinds)}")
-        windowed = "sliding_attention" in types
-    elif arch in ("qwen2", "qwen3"):
-        windowed = (read_flag(r, "use_sliding_window", False)
-                    and r.integer("max_window_layers", 0, MAX_LAYERS, default=0) < num_layers)
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif gemma:
+        default = 2 if arch == "gemma2" else 6
+        pattern = r.integer("sliding_window_pattern", 1, MAX_LAYERS,
+                            default=r.integer("_sliding_window_pattern", 1, MAX_LAYERS, default=default))
+        layers = tuple(i for i in range(num_layers) if (i + 1) % pattern)
     else:
-        windowed = True
-    return window if windowed else None
+        start = r.integer("max_window_layers", 0, MAX_LAYERS, default=0)
+        layers = tuple(range(start, num_layers)) if read_flag(r, "use_sliding_window", False) else ()
+    if arch in ("qwen2", "qwen3") and layers and not read_flag(r, "use_sliding_window", False):
+        r.fail("use_sliding_window", r.lookup("use_sliding_window"), "must be true where layer_types names "
+               "sliding_attention layers (transformers has no window for them then, and fails)")
+    return (window, layers) if layers else (None, ())
 
 
 def read_rope_theta(r: FieldReader, key: str, default: float) -> float:

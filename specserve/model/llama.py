@@ -1,5 +1,5 @@
-"""Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, SmolLM, TinyLlama) over the
-project's attention interface.
+"""Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, SmolLM, TinyLlama)
+over the project's attention interface.
 
 At the embedded model's size a CPU step is the weights' read plus the cost of every other op,
 and in a real step that cost is far above a micro-benchmark's: each matrix product streams
@@ -13,15 +13,16 @@ projections (see linear.py), and one call per RMSNorm.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specserve.errors import InvalidParameterError
-from specserve.model.attention import AttentionMetadata, DenseKVCache
+from specserve.model.attention import AttentionMetadata, DenseKVCache, windowed_metadata
 from specserve.model.config import ModelConfig, check_layer_subset, rope_inv_freq
 from specserve.model.flat_attention import FlatKV, GatherBuffers, flat_metadata
 from specserve.model.flat_batch import FlatBatch
@@ -40,6 +41,10 @@ class RMSNorm(nn.Module):
         # reference rounds before scaling too (a difference within half-precision rounding).
         # Under autocast (drafter training) x arrives in bfloat16 while the weight stays float32:
         # the weight follows x so that torch keeps its fused kernel (a no-op otherwise).
+        # A float32 weight next to half-precision x is Gemma's (1 + w), which its reference
+        # multiplies in float32 before rounding once: so does this (exact in float32 alike).
+        if self.weight.dtype == torch.float32 and x.dtype != torch.float32 and not torch.is_autocast_enabled():
+            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight.to(x.dtype), self.eps)
 
 
@@ -49,12 +54,13 @@ class RotaryEmbedding(nn.Module):
 
     `positions`: how many the tables cover, the engine's max_model_len where the loader knows it
     (None: the model's whole context). A file's context can be millions of tokens; the tables
-    of a request's context are what a pass reads."""
+    of a request's context are what a pass reads. `local`: the windowed layers' own tables
+    (ModelConfig.local_rope_theta)."""
 
-    def __init__(self, cfg: ModelConfig, positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, positions: int | None = None, local: bool = False):
         super().__init__()
         rows = cfg.max_position_embeddings if positions is None else min(positions, cfg.max_position_embeddings)
-        freqs = torch.outer(torch.arange(rows, dtype=torch.float32), rope_inv_freq(cfg))
+        freqs = torch.outer(torch.arange(rows, dtype=torch.float32), rope_inv_freq(cfg, local))
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), dim=-1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
@@ -89,10 +95,11 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, cache: DenseKVCache) -> torch.Tensor:
-        """h: normalised [B, T, hidden] -> residual + attention output [B, T, hidden]; or, in a
-        flattened pass (FlatKV and its metadata), [N, hidden] -> [N, hidden]."""
+        """h: normalised [B, T, hidden] -> residual + attention output [B, T, hidden] (the output
+        alone where residual is None); or, in a flattened pass (FlatKV and its metadata),
+        [N, hidden] -> [N, hidden]."""
         qkv = self.qkv_proj(h).unflatten(-1, (-1, self.head_dim))  # [B, T, H + 2 Hkv, D] or [N, ...]
         # q and k heads are adjacent, so one RoPE call rotates both.
         qk, v = qkv.split(self.qk_v_heads, dim=-2)
@@ -100,33 +107,89 @@ class Attention(nn.Module):
             q, k = qk.split(self.q_k_heads, dim=-2)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
         q, k = apply_rope(qk, cos, sin).split(self.q_k_heads, dim=-2)
-        return self.o_proj.forward_add(cache.attend(self.layer, q, k, v, meta), residual)
+        out = cache.attend(self.layer, q, k, v, meta)
+        return self.o_proj(out) if residual is None else self.o_proj.forward_add(out, residual)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
+        self.gelu = cfg.activation == "gelu_tanh"
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """h: normalised [B, T, hidden] -> residual + SwiGLU(h) [B, T, hidden]."""
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """h: normalised [B, T, hidden] -> residual + SwiGLU(h) (GeGLU(h) for Gemma) [B, T, hidden];
+        the MLP's output alone where residual is None."""
         gate, up = self.gate_up_proj(h).split(self.intermediate, dim=-1)
-        return self.down_proj.forward_add(F.silu(gate).mul_(up), residual)
+        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)
+        return self.down_proj(act) if residual is None else self.down_proj.forward_add(act, residual)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual blocks; with sandwich norms (Gemma) the attention's and the MLP's
+    outputs are normalised too before their residual adds, and the MLP's input norm is
+    pre_feedforward_layernorm (post_attention_layernorm then being the attention output's)."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.windowed = cfg.windowed(layer)  # attends through the sliding window (LayerInputs.local)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, meta, cache):
-        x = self.self_attn(self.input_layernorm(x), x, cos, sin, meta, cache)
-        return self.mlp(self.post_attention_layernorm(x), x)
+        if not self.sandwich:
+            x = self.self_attn(self.input_layernorm(x), x, cos, sin, meta, cache)
+            return self.mlp(self.post_attention_layernorm(x), x)
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), None, cos, sin, meta, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), None))
+
+
+@dataclass(slots=True)
+class LayerInputs:
+    """What the layers of one kind (global, or windowed) read in a pass."""
+
+    meta: object  # attention metadata: its masks, and the model's scale and soft-cap
+    cos: torch.Tensor  # RoPE tables gathered at the tokens' positions (RotaryEmbedding.tables)
+    sin: torch.Tensor
+
+
+def layer_inputs(model, meta, windowed_meta, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[LayerInputs, LayerInputs | None]:
+    """(the global layers' inputs, the windowed layers' or None) of a pass; `windowed_meta`:
+    a function of the window giving the windowed layers' metadata (called only when there are
+    some). `model`: a LlamaModel or a view of one (its config, rotary tables)."""
+    cfg = model.config
+    meta = replace(meta, scale=None if cfg.query_pre_attn_scalar is None else cfg.attention_scale,
+                   softcap=cfg.attn_logit_softcapping)
+    cos, sin = model.rotary.tables(positions, dtype)
+    full = LayerInputs(meta, cos, sin)
+    if not cfg.window_layers:
+        return full, None
+    local = model.rotary_local
+    lcos, lsin = (cos, sin) if local is None else local.tables(positions, dtype)
+    return full, LayerInputs(replace(windowed_meta(cfg.sliding_window), scale=meta.scale, softcap=meta.softcap),
+                             lcos, lsin)
+
+
+def run_layers(layers, x: torch.Tensor, inputs: tuple[LayerInputs, LayerInputs | None], cache,
+               capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """x through `layers`, each with its kind's inputs -> (x, the residual streams entering the
+    layers of index `capture`)."""
+    captured = []
+    for i, layer in enumerate(layers):
+        if i in capture:
+            captured.append(x)  # a layer returns a new tensor: x itself is never written
+        inp = inputs[1] if layer.windowed else inputs[0]
+        x = layer(x, inp.cos, inp.sin, inp.meta, cache)
+    return x, captured
 
 
 def check_aux_layers(aux_layers: Sequence[int], num_layers: int) -> tuple[int, ...]:
@@ -153,6 +216,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, positions)
+        # The windowed layers' own RoPE tables (Gemma 3's local base), or None: the same tables.
+        self.rotary_local = RotaryEmbedding(cfg, positions, local=True) if cfg.local_rope_theta is not None else None
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -176,12 +241,18 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> embeddings [..., hidden]; Gemma's times sqrt(hidden) rounded to the model
+        dtype first, as its reference multiplies."""
+        x = self.embed_tokens(ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(math.sqrt(self.config.hidden_size)).to(x.dtype)
+        return x
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, cache: DenseKVCache) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.tables(meta.positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, cache)
-        return self.norm(x)
+        x = self.embed(input_ids)
+        inputs = layer_inputs(self, meta, lambda w: windowed_metadata(meta, w, x.dtype), meta.positions, x.dtype)
+        return self.norm(run_layers(self.layers, x, inputs, cache)[0])
 
     def forward_flat(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The tokens of every request in one pass, without padding (NativeLlamaModel.forward_flat's
@@ -198,25 +269,31 @@ class LlamaModel(nn.Module):
 
     def _flat_pass(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor,
                    aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = flat_metadata(flat, self.device, k.dtype)
-        cache = FlatKV(k, v, self.kv_gather)
-        x = self.embed_tokens(meta.token_ids)  # [N, hidden]
-        cos, sin = self.rotary.tables(meta.positions, x.dtype)  # [N, 1, head_dim]
-        captured = []
-        for i, layer in enumerate(self.layers):
-            if i in aux_layers:
-                captured.append(x)  # a layer returns a new tensor: x itself is never written
-            x = layer(x, cos, sin, meta, cache)
+        x, inputs = flat_inputs(self, flat, k.dtype)  # [N, hidden]
+        x, captured = run_layers(self.layers, x, inputs, FlatKV(k, v, self.kv_gather), aux_layers)
         aux = torch.cat(captured, dim=-1) if captured else x.new_empty(x.shape[0], 0)
         return self.norm(x), aux
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return softcap(self.lm_head(hidden).float(), self.config.final_logit_softcapping)
 
     def with_layers(self, keep: Sequence[int]) -> LlamaLayerView:
         """A view that runs only the decoder layers `keep` (increasing indices), sharing this
         model's modules: no weight is copied (see LlamaLayerView)."""
         return LlamaLayerView(self, check_layer_subset(keep, len(self.layers)))
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2's final soft-capping), or the logits where cap is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def flat_inputs(model, flat: FlatBatch, kv_dtype: torch.dtype) -> tuple[torch.Tensor, tuple]:
+    """A flattened pass's embeddings [N, hidden] and its layers' inputs (layer_inputs)."""
+    meta = flat_metadata(flat, model.device, kv_dtype)
+    x = model.embed(meta.token_ids)  # [N, hidden]
+    windowed = lambda w: flat_metadata(flat, model.device, kv_dtype, window=w)  # noqa: E731
+    return x, layer_inputs(model, meta, windowed, meta.positions, x.dtype)
 
 
 class LlamaLayerView(nn.Module):
@@ -228,8 +305,9 @@ class LlamaLayerView(nn.Module):
     def __init__(self, base: LlamaModel, keep: tuple[int, ...]):
         super().__init__()
         self.keep = keep
-        self.config = replace(base.config, num_layers=len(keep))
+        self.config = base.config.subset(keep)
         self.embed_tokens, self.norm, self.rotary, self.lm_head = base.embed_tokens, base.norm, base.rotary, base.lm_head
+        self.rotary_local = base.rotary_local
         self.layers = nn.ModuleList(base.layers[i] for i in keep)
         # The kept layers know their index in the full model; the view's cache numbers them 0..
         self.cache_layer = {layer.self_attn.layer: j for j, layer in enumerate(self.layers)}
@@ -239,17 +317,14 @@ class LlamaLayerView(nn.Module):
     kv_dtype = LlamaModel.kv_dtype
     max_positions = LlamaModel.max_positions
     device = LlamaModel.device
+    embed = LlamaModel.embed
     compute_logits = LlamaModel.compute_logits
 
     def forward_flat(self, flat: FlatBatch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """LlamaModel.forward_flat over the kept layers; k, v: [len(keep), rows, Hkv, D]."""
-        meta = flat_metadata(flat, self.device, k.dtype)
+        x, inputs = flat_inputs(self, flat, k.dtype)  # [N, hidden]
         cache = _RenumberedKV(FlatKV(k, v, self.kv_gather), self.cache_layer)
-        x = self.embed_tokens(meta.token_ids)  # [N, hidden]
-        cos, sin = self.rotary.tables(meta.positions, x.dtype)  # [N, 1, head_dim]
-        for layer in self.layers:
-            x = layer(x, cos, sin, meta, cache)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, inputs, cache)[0])
 
 
 class _RenumberedKV:

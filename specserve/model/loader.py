@@ -199,7 +199,6 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
     else:
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     positions = covered_positions(cfg, max_model_len)
-    cfg.check_context(positions, str(path))
     if tokenizer.vocab_size > cfg.vocab_size:
         raise ModelLoadError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has only {cfg.vocab_size}"

@@ -18,7 +18,8 @@ reference that the tests compare with transformers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -127,11 +128,12 @@ class NativeParts:
     cos: torch.Tensor  # float32 [max_positions, head_dim / 2]
     sin: torch.Tensor
     layer_bytes: tuple[int, ...]  # packed bytes of each layer's matrices
+    options: object  # ext.ModelOptions: the family's scale, soft-caps, GeGLU, local RoPE tables
 
     def core(self, cfg: ModelConfig, keep: Sequence[int]):
         return self.ext.NativeModel(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, [self.layers[i] for i in keep],
-                                    self.final_norm, self.lm_head, self.cos, self.sin)
+                                    self.final_norm, self.lm_head, self.cos, self.sin, self.options)
 
 
 class NativeLlamaModel(nn.Module):
@@ -149,7 +151,8 @@ class NativeLlamaModel(nn.Module):
         # The decoder layers this model runs, in order (indices into parts.layers): all of them
         # for a loaded model, a subset for a view made by with_layers.
         self.keep = tuple(range(len(parts.layers)) if keep is None else keep)
-        self.config = replace(cfg, num_layers=len(self.keep))
+        self.base_config = cfg  # every layer's (a view's config holds its kept layers')
+        self.config = cfg.subset(self.keep)
         self.parts = parts
         self.core = parts.core(cfg, self.keep)
         self.embed_tokens = embed_tokens
@@ -164,7 +167,7 @@ class NativeLlamaModel(nn.Module):
         keep = check_layer_subset(keep, len(self.keep))
         kept = [self.keep[i] for i in keep]
         skipped = sum(self.parts.layer_bytes[i] for i in set(self.keep) - set(kept))
-        return NativeLlamaModel(replace(self.config, num_layers=len(self.parts.layers)), self.parts,
+        return NativeLlamaModel(self.base_config, self.parts,
                                 self.embed_tokens, self.lm_head, self.level, self.quantization, self.description,
                                 self.weight_bytes - skipped, kept)
 
@@ -190,7 +193,7 @@ class NativeLlamaModel(nn.Module):
     def forward_flat(self, batch: FlatBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """k_cache, v_cache: [num_layers, rows, kv_heads, head_dim] float16 (the pools, viewed by
         cache row) -> hidden [N, hidden]."""
-        x = self.embed_tokens(batch.token_ids)  # [N, hidden]
+        x = self._embed(batch.token_ids)  # [N, hidden]
         return self.core.forward(self.level, x, batch.positions, batch.slots, k_cache, v_cache, batch.block_size,
                                  batch.q_start, batch.block_table, batch.prefix_len, batch.tree_row,
                                  batch.tree_start, batch.tree_size, batch.tree_mask)
@@ -202,7 +205,7 @@ class NativeLlamaModel(nn.Module):
         [N, hidden], aux [N, len(aux_layers) * hidden] (layer aux_layers[j]'s input in columns
         [j * hidden, (j + 1) * hidden)). The hidden states are bit-identical to forward_flat's."""
         aux_layers = check_aux_layers(aux_layers, len(self.keep))
-        x = self.embed_tokens(batch.token_ids)  # [N, hidden]
+        x = self._embed(batch.token_ids)  # [N, hidden]
         aux = torch.empty(x.shape[0], len(aux_layers) * self.config.hidden_size)
         hidden = self.core.forward(self.level, x, batch.positions, batch.slots, k_cache, v_cache, batch.block_size,
                                    batch.q_start, batch.block_table, batch.prefix_len, batch.tree_row,
@@ -210,7 +213,16 @@ class NativeLlamaModel(nn.Module):
                                    torch.tensor(aux_layers, dtype=torch.int64), aux)
         return hidden, aux
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] -> float32 [N, hidden]; Gemma's times float32 sqrt(hidden) (each element one
+        rounding, whatever else is in the pass)."""
+        x = self.embed_tokens(ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=torch.float32)
+        return x
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [..., vocab] (Gemma 2's soft-capped in the kernels)."""
         flat = hidden.reshape(-1, hidden.shape[-1]).float()
         logits = self.core.logits(self.level, flat)[:, : self.config.vocab_size]
         return logits.reshape(*hidden.shape[:-1], self.config.vocab_size)
@@ -272,13 +284,20 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
                 biases[0] = biases[0][torch.from_numpy(_unpermuted_rows(cfg.q_size, cfg.num_heads))].contiguous()
                 biases[1] = biases[1][torch.from_numpy(_unpermuted_rows(cfg.kv_size, cfg.num_kv_heads))].contiguous()
         o_bias = [vector(p + "self_attn.o_proj.bias")] if cfg.o_bias else None
-        qk_norm = ({"q_norm": vector(p + "self_attn.q_norm.weight"), "k_norm": vector(p + "self_attn.k_norm.weight")}
-                   if cfg.qk_norm else {})
+        norms = ({"q_norm": vector(p + "self_attn.q_norm.weight"), "k_norm": vector(p + "self_attn.k_norm.weight")}
+                 if cfg.qk_norm else {})
+        if cfg.sandwich_norms:  # Gemma: the MLP's input norm is pre_feedforward_layernorm (DecoderLayer)
+            norms |= {"ffn_norm": vector(p + "pre_feedforward_layernorm.weight"),
+                      "post_attn_norm": vector(p + "post_attention_layernorm.weight"),
+                      "post_ffn_norm": vector(p + "post_feedforward_layernorm.weight")}
+        else:
+            norms["ffn_norm"] = vector(p + "post_attention_layernorm.weight")
         layers.append(ext.Layer(
-            attn_norm=vector(p + "input_layernorm.weight"), ffn_norm=vector(p + "post_attention_layernorm.weight"),
+            attn_norm=vector(p + "input_layernorm.weight"),
             qkv=stacked([q, k, v], biases), o=stacked([matrix(p + "self_attn.o_proj.weight")], o_bias),
             gate_up=stacked([matrix(p + "mlp.gate_proj.weight"), matrix(p + "mlp.up_proj.weight")]),
-            down=stacked([matrix(p + "mlp.down_proj.weight")]), **qk_norm))
+            down=stacked([matrix(p + "mlp.down_proj.weight")]),
+            window=cfg.sliding_window if cfg.windowed(i) else 0, **norms))
         layer_bytes.append(sum(packed_bytes) - before)
 
     embed = take("model.embed_tokens.weight")
@@ -303,10 +322,17 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     if unused:
         raise ModelLoadError(f"checkpoint has weights a {cfg.architecture} model does not use: {unused[:5]}")
 
-    rotary = RotaryEmbedding(cfg, positions)  # cos: [positions, head_dim] as [c, c]; the kernels take one half
+    # cos: [positions, head_dim] as [c, c]; the kernels take one half (of each table)
     half = cfg.head_dim // 2
-    parts = NativeParts(ext, tuple(layers), final_norm, lm_head, rotary.cos[:, :half].contiguous(),
-                        rotary.sin[:, half:].contiguous(), tuple(layer_bytes))
+    tables = [(r.cos[:, :half].contiguous(), r.sin[:, half:].contiguous()) for r in (
+        RotaryEmbedding(cfg, positions), *([RotaryEmbedding(cfg, positions, local=True)]
+                                           if cfg.local_rope_theta is not None else []))]
+    options = ext.ModelOptions(
+        attn_scale=0.0 if cfg.query_pre_attn_scalar is None else cfg.attention_scale,
+        attn_softcap=cfg.attn_logit_softcapping or 0.0, final_softcap=cfg.final_logit_softcapping or 0.0,
+        gelu=cfg.activation == "gelu_tanh", cos_local=tables[-1][0] if len(tables) > 1 else None,
+        sin_local=tables[-1][1] if len(tables) > 1 else None)
+    parts = NativeParts(ext, tuple(layers), final_norm, lm_head, *tables[0], tuple(layer_bytes), options)
     vocab_rows = PackedRows(ext, head.format, lm_head.units, cfg.vocab_size, cfg.hidden_size)
     return NativeLlamaModel(cfg, parts, embed_tokens, vocab_rows, level, quantization, "/".join(sorted(formats)),
                             sum(packed_bytes))

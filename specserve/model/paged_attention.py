@@ -45,6 +45,11 @@ class PagedAttentionMetadata:
     # Rows of very different context lengths attend in groups, each padded only to its own
     # longest context (see `group_rows`); None: one group of all rows, as the fields above say.
     groups: list[AttentionGroup] | None = None
+    # [B, context_len] int64 position of each key where a token tree puts keys off their slot
+    # (what a windowed layer compares, attention.windowed_metadata); None: key s at position s.
+    key_positions: torch.Tensor | None = None
+    scale: float | None = None  # as AttentionMetadata's
+    softcap: float | None = None
 
 
 @dataclass(slots=True)
@@ -184,6 +189,13 @@ class PagedKVCache:
                 s, q = start_positions[i], query_lens[i]
                 visible[i, 0, :q, s : s + q] = m
             mask = torch.zeros(visible.shape, dtype=self.k.dtype).masked_fill_(~visible, float("-inf")).to(device)
+        key_positions = None
+        if trees:
+            key_positions = torch.arange(context_len).repeat(bsz, 1)  # [B, S]
+            for i, m in trees:
+                s, q = start_positions[i], query_lens[i]
+                key_positions[i, s:s + q] = positions[i, :q]
+            key_positions = key_positions.to(device)
         first_block = None
         if bsz == 1 and rows[0] == list(range(rows[0][0], rows[0][0] + n)):
             first_block = rows[0][0]
@@ -204,6 +216,7 @@ class PagedKVCache:
             mask=mask,
             first_block=first_block,
             groups=groups,
+            key_positions=key_positions,
         )
 
     def move(self, block_tables: list[list[int]], src_positions: list[list[int]],
@@ -230,17 +243,18 @@ class PagedKVCache:
         if meta.groups is not None:
             out = q.new_empty(bsz, t, q.shape[2] * q.shape[3])
             for g in meta.groups:
-                out.index_copy_(0, g.rows, self._read(layer, q.index_select(0, g.rows), g.block_tables, g.context_len, g.mask))
+                out.index_copy_(0, g.rows, self._read(layer, q.index_select(0, g.rows), g.block_tables, g.context_len,
+                                                      g.mask, meta))
             return out
         if meta.first_block is not None:
             n = meta.block_tables.shape[1]
             keys = self.k[layer][meta.first_block:meta.first_block + n]  # [N, block, Hkv, D] view
             values = self.v[layer][meta.first_block:meta.first_block + n]
-            return self._attend_blocks(q, keys, values, meta.context_len, meta.mask)
-        return self._read(layer, q, meta.block_tables, meta.context_len, meta.mask)
+            return self._attend_blocks(q, keys, values, meta.context_len, meta.mask, meta)
+        return self._read(layer, q, meta.block_tables, meta.context_len, meta.mask, meta)
 
     def _read(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, context_len: int,
-              mask: torch.Tensor | None) -> torch.Tensor:
+              mask: torch.Tensor | None, meta: PagedAttentionMetadata) -> torch.Tensor:
         """q [B, T, H, D] of rows whose blocks are block_tables [B, N] -> [B, T, H * D]."""
         # index_select over whole blocks into buffers kept across layers and steps, not
         # pool[block_tables] into fresh memory: measured on CPU (1 thread, 64 rows x 304 keys)
@@ -250,7 +264,7 @@ class PagedKVCache:
         shape = (*block_tables.shape, *self.k.shape[2:])  # [B, N, block, Hkv, D]
         keys = torch.index_select(self.k[layer], 0, flat, out=self._buffer(0, shape))
         values = torch.index_select(self.v[layer], 0, flat, out=self._buffer(1, shape))
-        return self._attend_blocks(q, keys.view(shape), values.view(shape), context_len, mask)
+        return self._attend_blocks(q, keys.view(shape), values.view(shape), context_len, mask, meta)
 
     def _buffer(self, which: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A [N_total, block, Hkv, D] view of gather buffer `which` (0: keys, 1: values), grown
@@ -263,9 +277,9 @@ class PagedKVCache:
         return buf[:need]
 
     def _attend_blocks(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s: int,
-                       mask: torch.Tensor | None) -> torch.Tensor:
+                       mask: torch.Tensor | None, meta: PagedAttentionMetadata) -> torch.Tensor:
         bsz, n = q.shape[0], keys.shape[-4]
         # [B, N * block, Hkv, D] -> the first S keys, as [B, Hkv, S, D] (views)
         keys = keys.reshape(bsz, n * self.block_size, *keys.shape[-2:])[:, :s].transpose(1, 2)
         values = values.reshape(bsz, n * self.block_size, *values.shape[-2:])[:, :s].transpose(1, 2)
-        return attention(q, keys, values, mask)
+        return attention(q, keys, values, mask, meta.scale, meta.softcap)

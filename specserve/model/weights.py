@@ -48,6 +48,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer["self_attn.o_proj.bias"] = (h,)
     if cfg.qk_norm:
         layer |= {"self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}
+    if cfg.sandwich_norms:
+        layer |= {"pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
     out = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head.weight"] = (cfg.vocab_size, h)
@@ -106,6 +108,8 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], t
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model.rotary = RotaryEmbedding(cfg, positions).to(device)
+    if cfg.local_rope_theta is not None:
+        model.rotary_local = RotaryEmbedding(cfg, positions, local=True).to(device)
     expected = {n: p.shape for n, p in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}
@@ -113,7 +117,10 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], t
         if ignored_tensor(name):
             continue
         target, index = _locate(name)
-        tensor = tensor.to(device=device, dtype=dtype)
+        # Gemma's (1 + w) norm weights stay float32: its reference multiplies by them in float32
+        # (RMSNorm), and in half precision 1 + w would lose w's low bits.
+        keep = cfg.sandwich_norms and name.endswith("norm.weight")
+        tensor = tensor.to(device=device, dtype=torch.float32 if keep else dtype)
         if index is None:
             state[target] = tensor
             continue

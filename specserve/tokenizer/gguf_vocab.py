@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import gguf
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.errors import ModelLoadError
 
-SUPPORTED_MODELS = ("gpt2",)
+# "gpt2": byte-level BPE with merges (SmolLM, Llama 3, Qwen2); "llama": SentencePiece's BPE
+# with scores and byte fallback (Llama 2, Gemma).
+SUPPORTED_MODELS = ("gpt2", "llama")
 
 # GPT-2's split; HF's ByteLevel(use_regex=True) applies the same one.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -103,15 +105,32 @@ def build_pre_tokenizer(pre: PreTokenizerSpec) -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: PreTokenizerSpec) -> HFTokenizer:
-    # Byte-level vocabularies are stored already spelled in GPT-2's byte alphabet, so they are used
-    # verbatim; merges are "left right" pairs in that alphabet, which has no plain space.
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], token_types: list[int], space_prefix: bool) -> HFTokenizer:
+    """llama.cpp's SPM tokenizer: spaces become U+2581, then adjacent symbols merge again and
+    again, the pair whose concatenation is the highest-scoring token first (the leftmost among
+    equals); a character without a token becomes its UTF-8 bytes' <0xNN> tokens. That is HF's
+    BPE with merges ranked by the merged token's score, and byte fallback."""
+    normal = gguf.TokenType.NORMAL
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
-    backend.pre_tokenizer = build_pre_tokenizer(pre)
-    backend.decoder = decoders.ByteLevel()
+    pieces = {token for token, kind in zip(tokens, token_types) if kind == normal}
+    ranked = []  # (score, merged id, left, right): every split of a normal token into two normal tokens
+    for i, (token, kind) in enumerate(zip(tokens, token_types)):
+        if kind != normal or len(token) < 2:
+            continue
+        ranked += [(-scores[i], i, token[:k], token[k:]) for k in range(1, len(token))
+                   if token[:k] in pieces and token[k:] in pieces]
+    ranked.sort()
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in ranked], byte_fallback=True,
+                                     unk_token=None, fuse_unk=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    backend.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if space_prefix else []) + steps)
+    parts = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(parts + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    _add_matched_whole(backend, tokens, token_types)
+    return backend
 
+
+def _add_matched_whole(backend: HFTokenizer, tokens: list[str], token_types: list[int]) -> None:
     # Control tokens (<|im_end|>) and user-defined ones (<think>) must be matched whole in text, as
     # llama.cpp does, or BPE would cut them up. Only control tokens are special, i.e. dropped by
     # decode(skip_special_tokens=True); user-defined ones are real text the model writes.
@@ -123,6 +142,17 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int]
     ]
     backend.add_special_tokens([t for t in added if t.special])
     backend.add_tokens([t for t in added if not t.special])
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], token_types: list[int], pre: PreTokenizerSpec) -> HFTokenizer:
+    # Byte-level vocabularies are stored already spelled in GPT-2's byte alphabet, so they are used
+    # verbatim; merges are "left right" pairs in that alphabet, which has no plain space.
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre.ignore_merges))
+    backend.pre_tokenizer = build_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+    _add_matched_whole(backend, tokens, token_types)
     return backend
 
 
@@ -132,7 +162,7 @@ def read_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerSpec:
         found = "no tokenizer.ggml.model key" if model is None else f"tokenizer model {model!r}"
         raise ModelLoadError(
             f"GGUF file has {found}; specserve supports {', '.join(map(repr, SUPPORTED_MODELS))} "
-            "(byte-level BPE, as in SmolLM, Llama 3, Qwen2)"
+            "(byte-level BPE, as in SmolLM, Llama 3, Qwen2; SentencePiece BPE, as in Llama 2, Gemma)"
         )
     # Files from before llama.cpp recorded the pre-tokenizer have no key; llama.cpp treats them as "default".
     pre_name = _value(reader, "tokenizer.ggml.pre") or "default"
@@ -145,7 +175,15 @@ def read_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerSpec:
     token_types = _value(reader, "tokenizer.ggml.token_type") or [gguf.TokenType.NORMAL] * len(tokens)
     if len(token_types) != len(tokens):
         raise ModelLoadError(f"GGUF tokenizer has {len(tokens)} tokens but {len(token_types)} token types")
-    backend = _byte_level_bpe(tokens, _required(reader, "tokenizer.ggml.merges"), token_types, pre)
+    if model == "llama":
+        scores = _required(reader, "tokenizer.ggml.scores")
+        if len(scores) != len(tokens):
+            raise ModelLoadError(f"GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores")
+        # llama.cpp's default for SentencePiece vocabularies is a leading space; Gemma's files say none.
+        prefix = _value(reader, "tokenizer.ggml.add_space_prefix")
+        backend = _sentencepiece_bpe(tokens, scores, token_types, True if prefix is None else bool(prefix))
+    else:
+        backend = _byte_level_bpe(tokens, _required(reader, "tokenizer.ggml.merges"), token_types, pre)
 
     def token_id(key: str) -> int | None:
         value = _value(reader, f"tokenizer.ggml.{key}")

@@ -135,7 +135,7 @@ class NativeEagle3 {
       round_to_half(lv, qkv + i * qkv_w + qd + kvd, kvd, vc + slot[i] * kvd);
     }
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
-    paged_attention(lv, qkv, qkv_w, kc, vc, block_size, heads_, kv_heads_, head_dim_, scale, batch, attn, qd);
+    paged_attention(lv, qkv, qkv_w, kc, vc, block_size, heads_, kv_heads_, head_dim_, scale, 0.0f, batch, attn, qd);
     quantize_rows(lv, attn, n, qd, qd, act);
     o_.apply(lv, act, n, res, H, res, H);
     rmsnorm(lv, res, H, n, H, post_norm_.data_ptr<float>(), eps_, h, H);

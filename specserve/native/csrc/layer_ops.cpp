@@ -68,6 +68,17 @@ void silu_mul_generic(const float* gu, int64_t ldgu, int64_t n, int64_t inter, f
   }
 }
 
+void gelu_mul_generic(const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* g = gu + t * ldgu;
+    for (int64_t i = 0; i < inter; ++i) y[t * ldy + i] = gelu_mul_one(g[i], g[inter + i]);
+  }
+}
+
+void softcap_generic(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = softcap_one(x[i], cap);
+}
+
 void exp_generic(const float* x, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = exp_ps(x[i]);
 }
@@ -94,6 +105,8 @@ void attend_generic(const AttentionTask& t, float* scratch) {
     widen(t.k + keys.next(), d, wide);
     for (int64_t r = 0; r < rows; ++r) scores[r * kp + p] = dot16(t.q_row(r), wide, d) * t.scale;
   }
+  if (t.softcap > 0.0f)
+    for (int64_t r = 0; r < rows; ++r) softcap_generic(scores + r * kp, t.num_keys, t.softcap);
   for (int64_t r = 0; r < rows; ++r) {
     float* s = scores + r * kp;
     float m = -std::numeric_limits<float>::infinity();
@@ -144,8 +157,8 @@ void for_rows(int64_t n, const F& f) {
 }  // namespace
 
 const LayerKernels& layer_kernels_generic() {
-  static const LayerKernels k{rmsnorm_generic, rope_generic, silu_mul_generic, exp_generic, to_half_generic,
-                              attend_generic};
+  static const LayerKernels k{rmsnorm_generic, rope_generic,  silu_mul_generic, exp_generic,
+                              to_half_generic, attend_generic, gelu_mul_generic, softcap_generic};
   return k;
 }
 
@@ -175,26 +188,48 @@ void silu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter
   for_rows(n, [&](int64_t t0, int64_t t1) { fn(gu + t0 * ldgu, ldgu, t1 - t0, inter, y + t0 * ldy, ldy); });
 }
 
+void gelu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy) {
+  const GeluMulFn fn = kernels(level).gelu_mul;
+  for_rows(n, [&](int64_t t0, int64_t t1) { fn(gu + t0 * ldgu, ldgu, t1 - t0, inter, y + t0 * ldy, ldy); });
+}
+
+void softcap_rows(int level, float* x, int64_t ld, int64_t n, int64_t d, float cap) {
+  const SoftcapFn fn = kernels(level).softcap;
+  for_rows(n, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) fn(x + t * ld, d, cap);
+  });
+}
+
 void exp_rows(int level, const float* x, int64_t n, float* y) { kernels(level).exp(x, n, y); }
 
 void round_to_half(int level, const float* x, int64_t n, uint16_t* y) { kernels(level).to_half(x, n, y); }
 
+// A sliding window's first visible slot for query i of a sequence (its prefix slots sit at their
+// own positions); 0 without a window.
+int64_t window_lo(const AttentionBatch& b, int64_t i) {
+  return b.window > 0 ? std::max<int64_t>(0, b.positions[i] - b.window + 1) : 0;
+}
+
 void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_pool, const uint16_t* v_pool,
                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                     const AttentionBatch& batch, float* out, int64_t ldo) {
+                     float softcap, const AttentionBatch& batch, float* out, int64_t ldo) {
   const AttendFn fn = kernels(level).attend;
   const int64_t group = heads / kv_heads;
-  // Per sequence: the slots any of its queries sees, from its kv_start on.
-  std::vector<int64_t> num_keys(batch.num_seqs);
+  // Per sequence: the slots any of its queries sees, from its first visible one on (kv_start,
+  // raised to the lowest window's start; a tree's slots stay above it).
+  std::vector<int64_t> num_keys(batch.num_seqs), first(batch.num_seqs);
   int64_t work = 0;  // (row, key) pairs of the whole call
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
-    int64_t hi = 0;
+    int64_t hi = 0, lo = INT64_MAX;
     for (int64_t i = batch.q_start[s]; i < batch.q_start[s + 1]; ++i) {
       hi = std::max(hi, batch.prefix_len[i]);
+      lo = std::min(lo, window_lo(batch, i));
       if (batch.tree_row && batch.tree_row[i] >= 0) hi = std::max(hi, batch.tree_start[s] + batch.tree_size[s]);
     }
-    num_keys[s] = std::max<int64_t>(0, hi - (batch.kv_start ? batch.kv_start[s] : 0));
-    work += (batch.q_start[s + 1] - batch.q_start[s]) * heads * hi;
+    if (batch.tree_row && batch.tree_size[s] > 0) lo = std::min(lo, batch.tree_start[s]);
+    first[s] = std::max(batch.kv_start ? batch.kv_start[s] : 0, lo == INT64_MAX ? 0 : lo);
+    num_keys[s] = std::max<int64_t>(0, hi - first[s]);
+    work += (batch.q_start[s + 1] - batch.q_start[s]) * heads * num_keys[s];
   }
   // One task per (sequence, kv head); below ~a few thousand pairs the call takes microseconds
   // and stays on this thread.
@@ -203,10 +238,11 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   at::parallel_for(0, tasks, grain, [&](int64_t b, int64_t e) {
     // Kept per thread across calls: fresh memory of this size would be page-faulted in anew.
     thread_local std::vector<float> scratch;
-    thread_local std::vector<int64_t> shifted;  // prefix_len counted from kv_start
+    thread_local std::vector<int64_t> shifted, lows, rows;  // prefix_len and windows from the first key; tree rows
+    thread_local std::vector<uint8_t> near;                  // a tree's mask rows cut to the window
     for (int64_t task = b; task < e; ++task) {
       const int64_t s = task / kv_heads, kvh = task % kv_heads, i0 = batch.q_start[s];
-      const int64_t k0 = batch.kv_start ? batch.kv_start[s] : 0;
+      const int64_t k0 = first[s];
       AttentionTask t{};
       t.num_q = batch.q_start[s + 1] - i0;
       if (t.num_q == 0) continue;
@@ -217,17 +253,36 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
       t.group = group;
       t.head_dim = head_dim;
       t.scale = scale;
+      t.softcap = softcap;
       t.prefix_len = batch.prefix_len + i0;
       if (k0 > 0) {
         shifted.resize(static_cast<size_t>(t.num_q));
         for (int64_t j = 0; j < t.num_q; ++j) shifted[j] = std::max<int64_t>(0, batch.prefix_len[i0 + j] - k0);
         t.prefix_len = shifted.data();
       }
+      if (batch.window > 0) {
+        lows.resize(static_cast<size_t>(t.num_q));
+        for (int64_t j = 0; j < t.num_q; ++j) lows[j] = std::max<int64_t>(0, window_lo(batch, i0 + j) - k0);
+        t.lo = lows.data();
+      }
       if (batch.tree_row) {
         t.tree_row = batch.tree_row + i0;
         t.tree_mask = batch.tree_mask;
         t.tree_start = batch.tree_start[s] - k0;  // may fall below 0: those nodes' slots are hidden
         t.tree_size = batch.tree_size[s];
+        if (batch.window > 0 && t.tree_size > 0) {  // each node's mask row, less the ancestors out of its window
+          const int64_t size = t.tree_size;
+          near.resize(static_cast<size_t>(t.num_q * size));
+          rows.resize(static_cast<size_t>(t.num_q));
+          for (int64_t j = 0; j < t.num_q; ++j) {
+            rows[j] = batch.tree_row[i0 + j] < 0 ? -1 : j * size;
+            for (int64_t m = 0; rows[j] >= 0 && m < size; ++m)
+              near[j * size + m] = batch.tree_mask[batch.tree_row[i0 + j] + m] != 0 &&
+                                   batch.positions[i0 + m] > batch.positions[i0 + j] - batch.window;
+          }
+          t.tree_row = rows.data();
+          t.tree_mask = near.data();
+        }
       }
       t.k = k_pool + kvh * head_dim;
       t.v = v_pool + kvh * head_dim;

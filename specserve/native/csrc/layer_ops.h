@@ -43,6 +43,14 @@ void rope(int level, float* x, int64_t ld, int64_t n, int64_t heads, int64_t hea
 // (row stride ldgu), y: [n, inter] (row stride ldy). inter a multiple of 16.
 void silu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy);
 
+// GeGLU: y[t, i] = gelu_mul_one(g, u) with g = gu[t, i], u = gu[t, inter + i] (layer_ops_kernels.h:
+// the tanh approximation of GELU through tanh_ps); shapes as silu_mul's.
+void gelu_mul(int level, const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy);
+
+// x[t, i] = softcap_one(x[t, i], cap) = tanh_ps(x / cap) * cap in place, for rows t < n of width d
+// (row stride ld): Gemma 2's final logits.
+void softcap_rows(int level, float* x, int64_t ld, int64_t n, int64_t d, float cap);
+
 // y[i] = round_half(x[i]) for i < n (layer_ops_kernels.h): how keys and values enter the pool.
 void round_to_half(int level, const float* x, int64_t n, uint16_t* y);
 
@@ -57,6 +65,10 @@ void round_to_half(int level, const float* x, int64_t n, uint16_t* y);
 // has prefix_len p + 1 and tree_row -1. When kv_start is given, no query of sequence s sees a
 // slot below kv_start[s] (a drafter's cache whose entries begin after a prefix-cache hit: the
 // slots before were never written); null is kv_start 0 everywhere.
+//
+// When window > 0 (a sliding-window layer), query i sees of these only the keys at positions
+// above positions[i] - window: slot p of the prefix sits at position p, the tree slot
+// tree_start[s] + m at positions[q_start[s] + m] (a tree's node m is its sequence's query m).
 struct AttentionBatch {
   int64_t num_seqs;
   const int64_t* q_start;      // [num_seqs + 1]
@@ -68,12 +80,15 @@ struct AttentionBatch {
   const int64_t* tree_size;   // [num_seqs]
   const uint8_t* tree_mask;   // flat rows of tree_size[s] bytes
   const int64_t* kv_start;    // [num_seqs] first visible slot of each sequence; null: 0
+  const int64_t* positions;   // [num_tokens] each query's position (read when window > 0)
+  int64_t window;             // the sliding window; 0: none
 };
 
 // out[i, h * head_dim + d] for every query row i and head h < heads:
 //   over the visible slots p of i in increasing order (ancestors in node order), with k and v
 //   the pool's halves widened to float:
 //     score[p] = dot16(q[i, h, :], k[p, h / (heads / kv_heads), :]) * scale
+//     (then score[p] = softcap_one(score[p], softcap) where softcap > 0: Gemma 2)
 //   m = max score;  w[p] = exp_ps(score[p] - m);  l = sum of w[p] in slot order (sequential);
 //   o[d] = fma(w[p], v[p, kvh, d], o[d]) in slot order;  out = o[d] / l
 // (a query that sees no slot gets zeros). dot16 starts from zero lanes; exp_ps is
@@ -82,6 +97,6 @@ struct AttentionBatch {
 // kv_heads, head_dim] half bits; out row stride ldo. head_dim a multiple of 16.
 void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_pool, const uint16_t* v_pool,
                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
-                     const AttentionBatch& batch, float* out, int64_t ldo);
+                     float softcap, const AttentionBatch& batch, float* out, int64_t ldo);
 
 }  // namespace specserve

@@ -61,6 +61,26 @@ inline float exp_ps(float x) {
   return (p * float_from_bits((n1 + 127) << 23)) * float_from_bits((n2 + 127) << 23);
 }
 
+// ---- tanh_ps: specserve's own tanhf, from exp_ps ---------------------------------------------
+//
+//   tanh_ps(x) = 1 - 2 / (exp_ps(x + x) + 1)      (each operation rounded; no fma)
+// exp_ps saturates to inf for large x (tanh 1) and to 0 for very negative x (tanh -1). The
+// absolute error stays within a few ulp of 1 (tests measure it): small next to GELU's 1 + tanh
+// and to a soft-cap's scale, where it is used.
+inline float tanh_ps(float x) { return 1.0f - 2.0f / (exp_ps(x + x) + 1.0f); }
+
+// GELU's tanh approximation (Gemma's gelu_pytorch_tanh), times the up projection:
+//   gelu_mul(g, u) = ((0.5 * g) * (1 + tanh_ps(kGeluBeta * (g + kGeluKappa * ((g * g) * g))))) * u
+constexpr float kGeluBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluKappa = 0.044715f;
+inline float gelu_mul_one(float g, float u) {
+  const float inner = kGeluBeta * (g + kGeluKappa * ((g * g) * g));
+  return ((0.5f * g) * (1.0f + tanh_ps(inner))) * u;
+}
+
+// Soft-capping (Gemma 2's scores and logits): tanh_ps(x / cap) * cap.
+inline float softcap_one(float x, float cap) { return tanh_ps(x / cap) * cap; }
+
 // ---- round_half: float -> the pool's IEEE half bits ------------------------------------------
 //
 // Rounded to nearest, ties to even (subnormal halves below 2^-14, infinity from 65520 up): what
@@ -108,18 +128,30 @@ struct AttentionTask {
   int64_t slot_stride;  // halves from one slot to the next (kv_heads * head_dim)
   int64_t num_keys;
   int64_t first_slot;  // the sequence's slot of key 0
+  // [num_q] the first key each query's prefix part starts at (a sliding window's lower end,
+  // counted from first_slot), or null: 0 for all.
+  const int64_t* lo;
+  float softcap;  // scores -> softcap_one(score, softcap) before the max; 0: none
 
   int64_t rows() const { return num_q * group; }
   int64_t keys_padded() const { return (num_keys + 15) / 16 * 16; }
   const float* q_row(int64_t r) const { return q + (r / group) * ldq + (r % group) * head_dim; }
   float* out_row(int64_t r) const { return out + (r / group) * ldo + (r % group) * head_dim; }
 
-  // The slots [0, shared_keys(r0, r1)) are seen by every row r0 <= r < r1 (their prefixes).
+  // The slots [shared_from(r0, r1), shared_keys(r0, r1)) are seen by every row r0 <= r < r1
+  // (their prefixes, cut by their windows' lower ends).
   int64_t shared_keys(int64_t r0, int64_t r1) const {
     int64_t n = num_keys;
     for (int64_t r = r0; r < r1; ++r) n = prefix_len[r / group] < n ? prefix_len[r / group] : n;
     return n;
   }
+  int64_t shared_from(int64_t r0, int64_t r1) const {
+    int64_t a = 0;
+    for (int64_t r = r0; lo != nullptr && r < r1; ++r) a = lo[r / group] > a ? lo[r / group] : a;
+    return a;
+  }
+  // Row r's first visible key of its prefix part.
+  int64_t from(int64_t r) const { return lo == nullptr ? 0 : lo[r / group]; }
 
   // Past the shared keys, row r sees slots below this (and not all of them when it is a tree's).
   int64_t reach(int64_t r) const {
@@ -129,7 +161,7 @@ struct AttentionTask {
 
   // Whether query token t sees slot p (layer_ops.h's AttentionBatch).
   bool sees(int64_t t, int64_t p) const {
-    if (p < prefix_len[t]) return true;
+    if (p < prefix_len[t]) return lo == nullptr || p >= lo[t];
     if (tree_row == nullptr || tree_row[t] < 0) return false;
     const int64_t m = p - tree_start;
     return m >= 0 && m < tree_size && tree_mask[tree_row[t] + m] != 0;
@@ -173,6 +205,8 @@ using RopeFn = void (*)(float* x, int64_t ld, int64_t n, int64_t heads, int64_t 
 using SiluMulFn = void (*)(const float* gu, int64_t ldgu, int64_t n, int64_t inter, float* y, int64_t ldy);
 using ExpFn = void (*)(const float* x, int64_t n, float* y);  // y[i] = exp_ps(x[i])
 using HalfFn = void (*)(const float* x, int64_t n, uint16_t* y);  // y[i] = round_half(x[i])
+using GeluMulFn = SiluMulFn;  // y[t, i] = gelu_mul_one(gu[t, i], gu[t, inter + i])
+using SoftcapFn = void (*)(float* x, int64_t n, float cap);  // x[i] = softcap_one(x[i], cap)
 // One task; scratch holds attention_scratch_floats(task) floats.
 using AttendFn = void (*)(const AttentionTask& task, float* scratch);
 
@@ -183,8 +217,12 @@ struct LayerKernels {
   ExpFn exp;
   HalfFn to_half;
   AttendFn attend;
+  GeluMulFn gelu_mul;
+  SoftcapFn softcap;
 
   void overlay(const LayerKernels& own) {
+    if (own.gelu_mul) gelu_mul = own.gelu_mul;
+    if (own.softcap) softcap = own.softcap;
     if (own.rmsnorm) rmsnorm = own.rmsnorm;
     if (own.rope) rope = own.rope;
     if (own.silu_mul) silu_mul = own.silu_mul;
