@@ -18,9 +18,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from specserve.bench.llama_bench import find_llama_bench, llama_bench_ms, read_bandwidth_gbs, weight_bytes
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.hardware import Isa, machine, native_level
 from specserve.model.loader import load_model
@@ -60,9 +62,20 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=["gguf", "int8", "float32", "bfloat16"])
     ap.add_argument("--levels", nargs="+", default=None,
                     help="CPU levels for the native paths (default: this machine's)")
+    ap.add_argument("--peer", choices=["llama.cpp"], default=None,
+                    help="also time llama.cpp's llama-bench on the same GGUF, in alternated pairs with the first path")
+    ap.add_argument("--llama-bench", default=None, help="the llama-bench executable (default: the one on the PATH)")
+    ap.add_argument("--pairs", type=int, default=5, help="--peer: alternated pairs per size (medians reported)")
     args = ap.parse_args()
     m = machine()
     levels = [Isa.parse(v) for v in args.levels] if args.levels else [m.isa]
+    exe = None
+    if args.peer:
+        exe = find_llama_bench(args.llama_bench)
+        if exe is None or not str(args.model).endswith(".gguf"):
+            ap.error("--peer llama.cpp needs llama-bench (on the PATH or --llama-bench) and a .gguf --model")
+    bandwidth = read_bandwidth_gbs()
+    print(f"# measured read bandwidth {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads, a 1 GiB sum)")
     print(f"# {m.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
           f"model {args.model}, median of {args.rounds} rounds; T tokens per pass with logits at each")
     head = f"{'path':<34}{'context':>8}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes)
@@ -81,9 +94,28 @@ def main() -> None:
                 times = step_times(runner, context, args.sizes, args.rounds, loaded.config.vocab_size)
                 med = {t: statistics.median(v) for t, v in times.items()}
                 one = med[args.sizes[0]]
+                gbs = weight_bytes(loaded.model) / (one / 1e3) / 1e9
                 print(f"{label:<34}{context:>8}" + "".join(f"{med[t]:>10.2f}" for t in args.sizes)
-                      + "".join(f"{med[t] / one:>9.2f}" for t in args.sizes[1:]), flush=True)
+                      + "".join(f"{med[t] / one:>9.2f}" for t in args.sizes[1:])
+                      + f"   T={args.sizes[0]}: {gbs:.1f} GB/s of weights, {gbs / bandwidth:.2f} of measured", flush=True)
+                if exe is not None and path == args.paths[0] and (not native or level == levels[0]):
+                    peer_pairs(runner, exe, Path(args.model), context, args.sizes, args.pairs, loaded.config.vocab_size)
         del loaded
+
+
+def peer_pairs(runner: ModelRunner, exe: str, model: Path, context: int, sizes: list[int], pairs: int,
+               vocab: int) -> None:
+    """Each size timed `pairs` times as (specserve median of 5 passes, llama-bench) in turn;
+    prints the medians and their ratio."""
+    print(f"  vs llama.cpp ({exe}), {pairs} alternated pairs, ms per pass at context {context}:")
+    for t in sizes:
+        ours, theirs = [], []
+        for _ in range(pairs):
+            ours.append(statistics.median(step_times(runner, context, [t], 5, vocab)[t]))
+            theirs.append(llama_bench_ms(exe, model, context, t, torch.get_num_threads()))
+        a, b = statistics.median(ours), statistics.median(theirs)
+        print(f"    T={t:<3} specserve {a:8.2f}  llama.cpp {b:8.2f}  specserve/llama.cpp {a / b:5.2f}x "
+              f"(pairs: {', '.join(f'{x / y:.2f}' for x, y in zip(ours, theirs))})", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""Random-weight GGUFs of standard shapes (bench/synthetic.py) and llama-bench beside
+bench.forward (bench/llama_bench.py): the shapes are the published ones, a small file of the same
+layout loads and generates on both specserve paths, and llama-bench's JSON turns into ms per pass."""
+
+from __future__ import annotations
+
+import stat
+
+import numpy as np
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.bench.llama_bench import find_llama_bench, llama_bench_ms, weight_bytes
+from specserve.bench.synthetic import SHAPES, Shape, llama3_rope_divisors, tensor_shapes, write_synthetic_gguf
+from specserve.model.loader import load_model
+
+
+@pytest.mark.parametrize("name,billions", [("smollm2-1.7b", 1.71), ("llama-3.2-1b", 1.24), ("llama-3.2-3b", 3.21),
+                                           ("qwen2.5-7b", 7.62)])
+def test_shapes_have_the_published_parameter_counts(name, billions):
+    assert SHAPES[name].num_parameters() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_llama3_divisors_follow_the_scaling_rule():
+    d = llama3_rope_divisors(SHAPES["llama-3.2-1b"])
+    assert d.shape == (32,) and d[0] == 1.0 and d[-1] == 32.0 and np.all(np.diff(d) >= 0)
+
+
+@pytest.mark.parametrize("shape", [Shape("llama", 64, 2, 4, 2, 128, 400, True, 10000.0, llama3_rope=True),
+                                   Shape("qwen2", 64, 2, 4, 2, 128, 400, False, 1e6, qkv_bias=True)],
+                         ids=["llama3-tied", "qwen2-untied-bias"])
+def test_a_small_file_of_the_layout_loads_and_generates(tmp_path, shape):
+    path = write_synthetic_gguf(shape, tmp_path / "m.gguf")
+    for quantization in ("none", "int8"):
+        loaded = load_model(path, quantization=quantization)
+        assert (loaded.config.num_layers, loaded.config.hidden_size, loaded.config.vocab_size) == (2, 64, 400)
+        assert loaded.config.tie_word_embeddings == shape.tied
+        out = LLM(loaded=loaded).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                          use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    assert weight_bytes(loaded.model) > 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 128)  # Q8_0 layers and a head
+    assert list(tensor_shapes(shape))[:2] == ["token_embd.weight", "rope_freqs.weight" if shape.llama3_rope
+                                               else "blk.0.attn_norm.weight"]
+
+
+def test_llama_bench_json_becomes_ms_per_pass(tmp_path):
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *'-n 0'*) echo '[{\"avg_ts\": 500.0}]';; *) echo '[{\"avg_ts\": 100.0}]';; esac\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert find_llama_bench(str(fake)) == str(fake)
+    assert llama_bench_ms(str(fake), tmp_path / "m.gguf", 100, 1, 2) == pytest.approx(10.0)  # 100 tok/s generation
+    assert llama_bench_ms(str(fake), tmp_path / "m.gguf", 100, 5, 2) == pytest.approx(10.0)  # 5 tokens at 500 tok/s
+    broken = tmp_path / "broken"
+    broken.write_text("#!/bin/sh\necho oops >&2\nexit 3\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    with pytest.raises(RuntimeError, match="llama-bench failed \\(3\\): oops"):
+        llama_bench_ms(str(broken), tmp_path / "m.gguf", 100, 1, 2)
