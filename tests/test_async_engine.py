@@ -46,6 +46,26 @@ def test_streamed_outputs_equal_offline(engine, tiny):
     assert not llm.engine.requests
 
 
+def test_final_only_streams_yield_the_whole_answer_once(engine, tiny):
+    """A whole response's stream carries only the finished output, which holds every token and
+    the whole text, equal to the streamed request's last output."""
+    llm, eng = engine
+    prompts = [[5, 6, 7, 5, 6, 7], [9, 8, 7]]
+
+    async def run():
+        async def one(i, p, final_only):
+            add = eng.submit(f"f{i}-{final_only}", p, GREEDY, final_only=final_only)
+            return [o async for o in eng.stream(add)]
+        return await asyncio.gather(*[one(i, p, f) for i, p in enumerate(prompts) for f in (False, True)])
+
+    results = asyncio.run(run())
+    for streamed, whole in zip(results[0::2], results[1::2]):
+        assert len(streamed) > 1 and len(whole) == 1 and whole[0].finished
+        assert whole[0].outputs[0].token_ids == streamed[-1].outputs[0].token_ids
+        assert whole[0].outputs[0].text == streamed[-1].outputs[0].text == "".join(o.new_text for o in streamed)
+    assert not llm.engine.requests
+
+
 def test_leaving_early_aborts_and_frees_blocks(engine):
     llm, eng = engine
 

@@ -78,6 +78,9 @@ class _Add:
     num_speculative_tokens: int | None
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue  # RequestOutput items, or one exception
+    # Only the last output goes to the loop (a whole response reads nothing else): no wake-up of
+    # the event loop per step, whose work would take a core from the kernels' parallel regions.
+    final_only: bool = False
 
 
 @dataclass(slots=True)
@@ -148,9 +151,11 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                prompt: str | None = None, use_speculation: bool = True,
-               num_speculative_tokens: int | None = None) -> _Add:
+               num_speculative_tokens: int | None = None, final_only: bool = False) -> _Add:
         """Queue a request now (refusals raise here, before any output is awaited); read its
-        outputs with `stream`. Servers submit all choices of a request before awaiting any."""
+        outputs with `stream`. Servers submit all choices of a request before awaiting any.
+        final_only: the stream yields the finished output alone (RequestOutput is cumulative, so
+        it holds the whole answer), sparing the event loop a wake-up per step."""
         if not self.accepting:
             raise EngineStoppedError("the server is shutting down and takes no new requests"
                                      if self.error is None else f"the engine stopped after an internal error: {self.error}")
@@ -165,7 +170,7 @@ class AsyncEngine:
                                          f"and {self.max_waiting} waiting (--max-waiting); retry later")
             self._pending += 1
         add = _Add(request_id, list(prompt_token_ids), params, prompt, use_speculation, num_speculative_tokens,
-                   asyncio.get_running_loop(), asyncio.Queue())
+                   asyncio.get_running_loop(), asyncio.Queue(), final_only)
         self._send(add)
         return add
 
@@ -282,6 +287,8 @@ class AsyncEngine:
         if out.finished:
             del self._streams[out.request_id]
             self.engine.pop_finished(out.request_id)
+        elif add.final_only:
+            return
         self._put(add, out)
 
     def _abort_all(self) -> None:

@@ -311,9 +311,11 @@ class OpenAIServing:
             for p, (ids, text) in enumerate(job.prompts):
                 for j in range(req.n):
                     index = p * req.n + j
+                    # A whole response without provenance reads only each choice's last output.
                     handle = self.engine.submit(f"{job.request_id}-{index}", ids, params(p, j), text,
                                                 use_speculation=req.speculative,
-                                                num_speculative_tokens=req.num_speculative_tokens)
+                                                num_speculative_tokens=req.num_speculative_tokens,
+                                                final_only=not req.stream and not job.provenance)
                     parser = job.tools.parser() if job.tools is not None else None
                     job.choices.append(self._follow(job, Choice(index, p, handle, tool_parser=parser)))
         except BaseException as e:
