@@ -13,6 +13,8 @@
 namespace specserve::avx512 {
 namespace {
 
+constexpr int kScoreVecs = 2;  // 2 row vectors x 2 keys: 4 lane trees of ~5 partial sums, + 2 q vectors
+constexpr int kScoreKeys = 2;
 constexpr int kRowTile = 4;     // 4 rows x 4 chunks = 16 accumulators, + 4 value chunks
 constexpr int kChunkGroup = 4;
 
@@ -32,6 +34,7 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
 inline V vneg(V a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+inline V vsel_lt(V a, V b, V x, V y) { return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), x); }
 inline float vmax_all(V a) { return _mm512_reduce_max_ps(a); }
 
 // s[l] += s[l + 8], s[l] += s[l + 4], s[l] += s[l + 2], s[0] += s[1].
@@ -51,36 +54,6 @@ inline V vexp_finish(V x, V p, V k) {
   const V y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
   const V y0 = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, vset1(kExpLo), _CMP_LT_OQ), _mm512_setzero_ps());
   return _mm512_mask_mov_ps(y0, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
-}
-
-// dst[j] = dot16(q, kp[j]) * scale for 16 keys: a register of 16 lanes per key, then the lane
-// reductions of all 16 keys at once, each step pairing vectors so that a lane l meets lane
-// l + w of the same key. Accumulator j holds key 4 (j % 4) + j / 4, which the four steps
-// leave in lane j.
-inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float scale, float* dst) {
-  const uint16_t* k[16];
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) k[j] = kp[4 * (j % 4) + j / 4];
-  V acc[16];
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j)  // key by key: one key pointer live at a time, q in registers
-    for (int64_t c = 0; c < d; c += 16) acc[j] = vfma(vload(q + c), vload_half(k[j] + c), acc[j]);
-  V a8[8], a4[4], a2[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)  // lanes 0-7 + 8-15 of keys 2i, 2i + 1
-    a8[i] = vadd(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
-                 _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)  // lanes 0-3 + 4-7 of keys 4i .. 4i + 3
-    a4[i] = vadd(_mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0x88),
-                 _mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0xDD));
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)  // lanes 0-1 + 2-3
-    a2[i] = vadd(_mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0x44), _mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0xEE));
-  const V s = vadd(_mm512_shuffle_ps(a2[0], a2[1], 0x88), _mm512_shuffle_ps(a2[0], a2[1], 0xDD));  // lane 0 + 1
-  vstore(dst, vmul(s, vset1(scale)));
 }
 
 #include "layer_ops_simd.inc"
