@@ -79,6 +79,44 @@ inline __m256 exp_finish8(__m256 x, __m256 p, __m256 k) {
 // p * 2^n with n from the bits of k = n + kRoundInt, in two normal factors; x < kExpLo: 0; NaN: x.
 inline V vexp_finish(V x, V p, V k) { return {exp_finish8(x.lo, p.lo, k.lo), exp_finish8(x.hi, p.hi, k.hi)}; }
 
+// dst[j] = dot16(q, kp[j]) * scale for 16 keys, as two groups of 8. Per key the two halves of
+// its 16 lanes are summed (s[l] += s[l + 8]); the other lane reductions are done for 8 keys at
+// once, each step pairing vectors so that lane l meets lane l + w of the same key. Position i
+// of a group holds key 4 (i % 2) + i / 2, which the steps leave in lane i. Keys are
+// accumulated 4 at a time: 8 accumulators and a query chunk fit AVX2's 16 registers.
+inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float scale, float* dst) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 x[2];
+    for (int sub = 0; sub < 2; ++sub) {
+      const uint16_t* k[4];
+      __m256 lo[4], hi[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const int pos = 4 * sub + i;
+        k[i] = kp[8 * h + 4 * (pos % 2) + pos / 2];
+        lo[i] = hi[i] = _mm256_setzero_ps();
+      }
+      for (int64_t c = 0; c < d; c += 16) {
+        const __m256 ql = _mm256_loadu_ps(q + c), qh = _mm256_loadu_ps(q + c + 8);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          const V ki = vload_half(k[i] + c);
+          lo[i] = _mm256_fmadd_ps(ql, ki.lo, lo[i]);
+          hi[i] = _mm256_fmadd_ps(qh, ki.hi, hi[i]);
+        }
+      }
+      __m256 a[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[i] = _mm256_add_ps(lo[i], hi[i]);  // lanes 0-7 + 8-15
+      const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+      const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+      x[sub] = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, 0x44), _mm256_shuffle_ps(ab, cd, 0xEE));  // lanes 0-1 + 2-3
+    }
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD));
+    _mm256_storeu_ps(dst + 8 * h, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+  }
+}
+
 #include "layer_ops_simd.inc"
 
 }  // namespace

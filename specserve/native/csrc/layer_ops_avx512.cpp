@@ -56,6 +56,36 @@ inline V vexp_finish(V x, V p, V k) {
   return _mm512_mask_mov_ps(y0, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
+// dst[j] = dot16(q, kp[j]) * scale for 16 keys: a register of 16 lanes per key, then the lane
+// reductions of all 16 keys at once, each step pairing vectors so that a lane l meets lane
+// l + w of the same key. Accumulator j holds key 4 (j % 4) + j / 4, which the four steps
+// leave in lane j.
+inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float scale, float* dst) {
+  const uint16_t* k[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) k[j] = kp[4 * (j % 4) + j / 4];
+  V acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j)  // key by key: one key pointer live at a time, q in registers
+    for (int64_t c = 0; c < d; c += 16) acc[j] = vfma(vload(q + c), vload_half(k[j] + c), acc[j]);
+  V a8[8], a4[4], a2[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)  // lanes 0-7 + 8-15 of keys 2i, 2i + 1
+    a8[i] = vadd(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                 _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // lanes 0-3 + 4-7 of keys 4i .. 4i + 3
+    a4[i] = vadd(_mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0x88),
+                 _mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0xDD));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // lanes 0-1 + 2-3
+    a2[i] = vadd(_mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0x44), _mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0xEE));
+  const V s = vadd(_mm512_shuffle_ps(a2[0], a2[1], 0x88), _mm512_shuffle_ps(a2[0], a2[1], 0xDD));  // lane 0 + 1
+  vstore(dst, vmul(s, vset1(scale)));
+}
+
 #include "layer_ops_simd.inc"
 
 }  // namespace
