@@ -226,6 +226,54 @@ def test_attention_matches_float64(block_size, softcap, window):
         assert (attend(level, q, pool, seqs, softcap=softcap, window=window).double() - ref).abs().max().item() <= 2e-6
 
 
+def long_prompt(block_size: int, seed: int, context: int = 300, num_q: int = 150) -> tuple[torch.Tensor, Pool, Seq]:
+    """A prompt chunk of num_q tokens after `context` on scattered blocks: many 32-key blocks,
+    several 64-row tiles (9 heads on 3 kv heads), pool blocks unaligned to key blocks."""
+    per_seq = -(-(context + num_q) // block_size)
+    pool = Pool.random(2 * per_seq, block_size, 3, 64, seed)
+    seq = Seq.chain(scattered_blocks(per_seq, 2 * per_seq, seed), context, num_q)
+    q = torch.randn(num_q, 9, 64, generator=torch.Generator().manual_seed(seed)) * 2
+    return q, pool, seq
+
+
+@pytest.mark.parametrize("block_size, softcap, window", [(16, 0.0, 0), (5, 0.0, 0), (16, 3.0, 0), (7, 0.0, 45),
+                                                         (16, 2.0, 100)])
+def test_tiled_prompt_attention_matches_float64_at_every_level(block_size, softcap, window):
+    """The tiled prompt path over long contexts (hundreds of keys: many key blocks, tiles and
+    blocks skipped below a window): within float32 rounding of the float64 softmax, and every
+    level's bits the generic level's."""
+    q, pool, seq = long_prompt(block_size, seed=block_size + int(softcap) + window)
+    ref = reference(q, pool, [seq], 0.125, softcap, window)
+    generic = attend(0, q, pool, [seq], softcap=softcap, window=window)
+    # Each row sums its hundreds of keys one after another in float32: ~2e-6 of the largest output
+    # here, where torch's float32 softmax (summing in blocks) comes within ~6e-7.
+    assert (generic.double() - ref).abs().max().item() <= 3e-6 * ref.abs().max().item()
+    for level in LEVELS[1:]:
+        assert_same_bits(attend(level, q, pool, [seq], softcap=softcap, window=window), generic, f"level {level}")
+
+
+@pytest.mark.parametrize("softcap, window", [(0.0, 0), (2.0, 0), (0.0, 45)])
+def test_a_prompt_in_chunks_gives_the_whole_prompts_bits(softcap, window):
+    """The same prompt whole, in chunks cut anywhere (not at tiles or key blocks), token by token
+    as decode steps and beside other sequences in one call: each row's blocks are its own."""
+    q, pool, seq = long_prompt(16, seed=3)
+    for level in LEVELS:
+        whole = attend(level, q, pool, [seq], softcap=softcap, window=window)
+        cuts = [0, 37, 101, 102, 150]
+        parts = [attend(level, q[a:b], pool, [Seq(seq.blocks, seq.prefix[a:b])], softcap=softcap, window=window)
+                 for a, b in zip(cuts, cuts[1:])]
+        assert_same_bits(torch.cat(parts), whole, f"level {level}, in chunks")
+        for i in (0, 31, 32, 149):
+            alone = attend(level, q[i:i + 1], pool, [Seq(seq.blocks, seq.prefix[i:i + 1])], softcap=softcap,
+                           window=window)
+            assert_same_bits(alone, whole[i:i + 1], f"level {level}, token {i} alone")
+        partner = Seq.chain([b for b in range(len(seq.blocks) * 2) if b not in seq.blocks], 70, 30)
+        qp = torch.randn(30, 9, 64, generator=torch.Generator().manual_seed(9))
+        mixed = attend(level, torch.cat([qp, q[60:]]), pool, [partner, Seq(seq.blocks, seq.prefix[60:])],
+                       softcap=softcap, window=window)
+        assert_same_bits(mixed[30:], whole[60:], f"level {level}, beside another prompt")
+
+
 # ---- exact: the same bits at every level, whatever shares the call ----------------------------
 
 

@@ -3,8 +3,9 @@
 T = 1 is plain decoding; T = k + 1 is the verification of k draft tokens, whose cost relative to
 T = 1 decides whether speculation pays. Each step computes T tokens at positions
 [context, context + T) after a prefill of `context` tokens, with logits at every position, as the
-engine's verification step does. Sizes are measured interleaved, round after round, and the
-median is reported, because the machines this runs on are shared and noisy.
+engine's verification step does (--prompt: at the last position only, as a prompt chunk has
+them; `--prompt --sizes 512` times a prompt chunk after each context). Sizes are measured
+interleaved, round after round, and the median is reported, because the machines this runs on are shared and noisy.
 
     python -m specserve.bench.forward [--model default] [--contexts 100 1000]
         [--paths gguf int8 float32 bfloat16] [--levels avx512_vnni avx2 generic]
@@ -28,7 +29,8 @@ from specserve.hardware import Isa, machine, native_level
 from specserve.model.loader import load_model
 
 
-def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int, vocab: int) -> dict[int, list[float]]:
+def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int, vocab: int,
+               all_logits: bool = True) -> dict[int, list[float]]:
     """Prefill `context` tokens, then time steps of each size in `sizes`, interleaved; -> ms per step."""
     ids = torch.randint(0, vocab, (context + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
     runner.execute(ForwardBatch(locations=[0], start_positions=[0], token_ids=[ids[:context]], all_logits=False))
@@ -36,7 +38,7 @@ def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int,
     for r in range(rounds + 1):
         for t in sizes:
             batch = ForwardBatch(locations=[0], start_positions=[context], token_ids=[ids[context:context + t]],
-                                 all_logits=True)
+                                 all_logits=all_logits)
             start = time.perf_counter()
             runner.execute(batch)
             runner.synchronize()
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 5, 9, 17])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--paths", nargs="+", default=["gguf", "int8", "float32", "bfloat16"])
+    ap.add_argument("--prompt", action="store_true", help="logits at each step's last position only (a prompt chunk)")
     ap.add_argument("--levels", nargs="+", default=None,
                     help="CPU levels for the native paths (default: this machine's)")
     ap.add_argument("--peer", choices=["llama.cpp"], default=None,
@@ -77,7 +80,8 @@ def main() -> None:
     bandwidth = read_bandwidth_gbs()
     print(f"# measured read bandwidth {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads, a 1 GiB sum)")
     print(f"# {m.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
-          f"model {args.model}, median of {args.rounds} rounds; T tokens per pass with logits at each")
+          f"model {args.model}, median of {args.rounds} rounds; T tokens per pass with logits at "
+          f"{'the last' if args.prompt else 'each'}")
     head = f"{'path':<34}{'context':>8}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes)
     print(head + "".join(f"{f'T={t}/T=1':>9}" for t in args.sizes[1:]))
     for path in args.paths:
@@ -91,7 +95,7 @@ def main() -> None:
                 label = loaded.kernels.split(",")[0]
             for context in args.contexts:
                 runner = ModelRunner.dense(loaded.model, num_slots=1, max_len=context + max(args.sizes))
-                times = step_times(runner, context, args.sizes, args.rounds, loaded.config.vocab_size)
+                times = step_times(runner, context, args.sizes, args.rounds, loaded.config.vocab_size, not args.prompt)
                 med = {t: statistics.median(v) for t, v in times.items()}
                 one = med[args.sizes[0]]
                 gbs = weight_bytes(loaded.model) / (one / 1e3) / 1e9

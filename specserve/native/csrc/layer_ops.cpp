@@ -92,42 +92,51 @@ void widen(const uint16_t* h, int64_t n, float* y) {
   for (int64_t i = 0; i < n; ++i) y[i] = half_to_float(h[i]);
 }
 
-// The three passes of layer_ops.h's attention, key-major like the SIMD levels (the order of
-// the loops changes no row's arithmetic: each row's sums run over its own keys in slot order).
+// layer_ops.h's attention written as it reads, row by row: the SIMD levels' tiles compute the
+// same bits.
 void attend_generic(const AttentionTask& t, float* scratch) {
-  const int64_t rows = t.rows(), kp = t.keys_padded(), d = t.head_dim;
-  float* scores = scratch;        // [rows][kp]
-  float* o = scores + rows * kp;  // [rows][d]
-  float* l = o + rows * d;        // [rows]
-  float* wide = l + rows;         // [d]: one K or V row widened from the pool's halves
-  SlotCursor keys(t, 0);
-  for (int64_t p = 0; p < t.num_keys; ++p) {
-    widen(t.k + keys.next(), d, wide);
-    for (int64_t r = 0; r < rows; ++r) scores[r * kp + p] = dot16(t.q_row(r), wide, d) * t.scale;
-  }
-  if (t.softcap > 0.0f)
-    for (int64_t r = 0; r < rows; ++r) softcap_generic(scores + r * kp, t.num_keys, t.softcap);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = scores + r * kp;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < t.num_keys; ++p)
-      if (t.sees(r / t.group, p) && s[p] > m) m = s[p];
-    for (int64_t p = 0; p < t.num_keys; ++p) s[p] = exp_ps(s[p] - m);
-  }
-  std::fill(o, o + rows * d + rows, 0.0f);
-  SlotCursor values(t, 0);
-  for (int64_t p = 0; p < t.num_keys; ++p) {
-    widen(t.v + values.next(), d, wide);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (!t.sees(r / t.group, p)) continue;
-      const float w = scores[r * kp + p];
-      for (int64_t i = 0; i < d; ++i) o[r * d + i] = std::fma(w, wide[i], o[r * d + i]);
-      l[r] += w;
+  const int64_t d = t.head_dim;
+  float* wide = scratch;           // [d]: one K or V row widened from the pool's halves
+  float* scores = wide + d;        // [kKeyBlock]
+  float* o = scores + kKeyBlock;   // [d]
+  int64_t keys[kKeyBlock];         // the block's visible keys
+  for (int64_t r = t.row_begin; r < t.row_end; ++r) {
+    const int64_t tq = r / t.group;
+    const float* q = t.q_row(r);
+    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    std::fill(o, o + d, 0.0f);
+    int64_t n = 0, block = -1;
+    auto flush = [&]() {  // one key block of the online softmax
+      float mb = m;
+      for (int64_t j = 0; j < n; ++j) {
+        widen(t.k + slot_offset(t, keys[j]), d, wide);
+        float s = dot16(q, wide, d) * t.scale;
+        if (t.softcap > 0.0f) s = softcap_one(s, t.softcap);
+        scores[j] = s;
+        if (s > mb) mb = s;
+      }
+      const float alpha = mb > -std::numeric_limits<float>::infinity() ? exp_ps(m - mb) : 0.0f;
+      for (int64_t i = 0; i < d; ++i) o[i] = o[i] * alpha;
+      l = l * alpha;
+      for (int64_t j = 0; j < n; ++j) {
+        widen(t.v + slot_offset(t, keys[j]), d, wide);
+        const float w = exp_ps(scores[j] - mb);
+        for (int64_t i = 0; i < d; ++i) o[i] = std::fma(w, wide[i], o[i]);
+        l = l + w;
+      }
+      m = mb;
+      n = 0;
+    };
+    for (int64_t p = t.from(r); p < t.reach(r); ++p) {
+      if (!t.sees(tq, p)) continue;
+      const int64_t b = t.key_block(tq, p);
+      if (n > 0 && (b != block || n == kKeyBlock)) flush();
+      block = b;
+      keys[n++] = p;
     }
-  }
-  for (int64_t r = 0; r < rows; ++r) {
+    if (n > 0) flush();
     float* out = t.out_row(r);
-    for (int64_t i = 0; i < d; ++i) out[i] = l[r] != 0.0f ? o[r * d + i] / l[r] : 0.0f;
+    for (int64_t i = 0; i < d; ++i) out[i] = l != 0.0f ? o[i] / l : 0.0f;
   }
 }
 
@@ -219,6 +228,11 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   // raised to the lowest window's start; a tree's slots stay above it).
   std::vector<int64_t> num_keys(batch.num_seqs), first(batch.num_seqs);
   int64_t work = 0;  // (row, key) pairs of the whole call
+  // One task per (sequence, kv head, kTileRows rows): a long prompt's rows spread over the threads.
+  struct Item {
+    int64_t s, kvh, r0, r1;
+  };
+  std::vector<Item> items;
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
     int64_t hi = 0, lo = INT64_MAX;
     for (int64_t i = batch.q_start[s]; i < batch.q_start[s + 1]; ++i) {
@@ -229,23 +243,23 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
     if (batch.tree_row && batch.tree_size[s] > 0) lo = std::min(lo, batch.tree_start[s]);
     first[s] = std::max(batch.kv_start ? batch.kv_start[s] : 0, lo == INT64_MAX ? 0 : lo);
     num_keys[s] = std::max<int64_t>(0, hi - first[s]);
-    work += (batch.q_start[s + 1] - batch.q_start[s]) * heads * num_keys[s];
+    const int64_t rows = (batch.q_start[s + 1] - batch.q_start[s]) * group;
+    work += rows * kv_heads * num_keys[s];
+    for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) items.push_back({s, kvh, r0, std::min(rows, r0 + kTileRows)});
   }
-  // One task per (sequence, kv head); below ~a few thousand pairs the call takes microseconds
-  // and stays on this thread.
-  const int64_t tasks = batch.num_seqs * kv_heads;
-  const int64_t grain = work >= 4096 ? 1 : std::max<int64_t>(tasks, 1);
-  at::parallel_for(0, tasks, grain, [&](int64_t b, int64_t e) {
+  auto run = [&](int64_t from_item, int64_t stride) {
     // Kept per thread across calls: fresh memory of this size would be page-faulted in anew.
     thread_local std::vector<float> scratch;
-    thread_local std::vector<int64_t> shifted, lows, rows;  // prefix_len and windows from the first key; tree rows
-    thread_local std::vector<uint8_t> near;                  // a tree's mask rows cut to the window
-    for (int64_t task = b; task < e; ++task) {
-      const int64_t s = task / kv_heads, kvh = task % kv_heads, i0 = batch.q_start[s];
+    thread_local std::vector<int64_t> shifted, lows, rows, tree_pos;  // prefix_len and windows from the first key; tree rows
+    thread_local std::vector<uint8_t> near;                            // a tree's mask rows cut to the window
+    for (size_t it = static_cast<size_t>(from_item); it < items.size(); it += static_cast<size_t>(stride)) {
+      const int64_t s = items[it].s, kvh = items[it].kvh, i0 = batch.q_start[s];
       const int64_t k0 = first[s];
       AttentionTask t{};
       t.num_q = batch.q_start[s + 1] - i0;
-      if (t.num_q == 0) continue;
+      t.row_begin = items[it].r0;
+      t.row_end = items[it].r1;
       t.q = q + i0 * ldq + kvh * group * head_dim;
       t.ldq = ldq;
       t.out = out + i0 * ldo + kvh * group * head_dim;
@@ -270,6 +284,19 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
         t.tree_mask = batch.tree_mask;
         t.tree_start = batch.tree_start[s] - k0;  // may fall below 0: those nodes' slots are hidden
         t.tree_size = batch.tree_size[s];
+        // Each tree slot's position (layer_ops.h): its node's, or the tree's start + its depth.
+        tree_pos.resize(static_cast<size_t>(t.tree_size));
+        for (int64_t m = 0; m < t.tree_size; ++m) {
+          const int64_t row = m < t.num_q ? batch.tree_row[i0 + m] : -1;
+          int64_t depth = m;
+          if (row >= 0) {
+            depth = -1;
+            for (int64_t a = 0; a < t.tree_size; ++a) depth += batch.tree_mask[row + a] != 0;
+          }
+          tree_pos[m] = batch.positions != nullptr && m < t.num_q ? batch.positions[i0 + m]
+                                                                  : batch.tree_start[s] + depth;
+        }
+        t.tree_pos = tree_pos.data();
         if (batch.window > 0 && t.tree_size > 0) {  // each node's mask row, less the ancestors out of its window
           const int64_t size = t.tree_size;
           near.resize(static_cast<size_t>(t.num_q * size));
@@ -294,6 +321,14 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
       scratch.resize(static_cast<size_t>(attention_scratch_floats(t)));
       fn(t, scratch.data());
     }
+  };
+  // Below ~a few thousand (row, key) pairs the call takes microseconds and stays on this thread;
+  // above, thread j takes the tasks j, j + threads, ...: a prompt's early (short) and late (long)
+  // rows alternate between them.
+  const int64_t threads = work >= 4096 ? std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())) : 1;
+  if (threads <= 1) return run(0, 1);
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) run(j, threads);
   });
 }
 

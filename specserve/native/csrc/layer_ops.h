@@ -67,8 +67,10 @@ void round_to_half(int level, const float* x, int64_t n, uint16_t* y);
 // slots before were never written); null is kv_start 0 everywhere.
 //
 // When window > 0 (a sliding-window layer), query i sees of these only the keys at positions
-// above positions[i] - window: slot p of the prefix sits at position p, the tree slot
-// tree_start[s] + m at positions[q_start[s] + m] (a tree's node m is its sequence's query m).
+// above positions[i] - window. Slot p of the prefix sits at position p, the tree slot
+// tree_start[s] + m at positions[q_start[s] + m] (a tree's node m is its sequence's query m);
+// without positions at tree_start[s] + depth, the depth being the ones in node m's mask row
+// less one (the root's 0).
 struct AttentionBatch {
   int64_t num_seqs;
   const int64_t* q_start;      // [num_seqs + 1]
@@ -84,15 +86,24 @@ struct AttentionBatch {
   int64_t window;             // the sliding window; 0: none
 };
 
-// out[i, h * head_dim + d] for every query row i and head h < heads:
-//   over the visible slots p of i in increasing order (ancestors in node order), with k and v
-//   the pool's halves widened to float:
+// out[i, h * head_dim + d] for every query row i and head h < heads, an online softmax over key
+// blocks aligned to absolute positions (flash attention's, with one defined arithmetic):
+//   row i's visible slots in increasing order (ancestors in node order), each at its position
+//   (a prefix slot p at p, a tree slot at its node's), fall into key blocks b = position / 32
+//   (layer_ops_kernels.h's kKeyBlock); with k and v the pool's halves widened to float,
+//   m = -inf, l = 0, o[d] = 0, and for each block with a visible key, in order:
 //     score[p] = dot16(q[i, h, :], k[p, h / (heads / kv_heads), :]) * scale
 //     (then score[p] = softcap_one(score[p], softcap) where softcap > 0: Gemma 2)
-//   m = max score;  w[p] = exp_ps(score[p] - m);  l = sum of w[p] in slot order (sequential);
-//   o[d] = fma(w[p], v[p, kvh, d], o[d]) in slot order;  out = o[d] / l
+//     m' = max(m, the block's scores);  alpha = exp_ps(m - m')   (0 when m' is -inf)
+//     o[d] = o[d] * alpha;  l = l * alpha;  then for its keys in slot order:
+//       w = exp_ps(score[p] - m');  o[d] = fma(w, v[p, kvh, d], o[d]);  l = l + w
+//     m = m'
+//   out = o[d] / l
 // (a query that sees no slot gets zeros). dot16 starts from zero lanes; exp_ps is
-// layer_ops_kernels.h's.
+// layer_ops_kernels.h's. A row's blocks and their keys are its own, wherever the call cuts a
+// prompt or whatever shares it: batch invariance, and the same bits from the SIMD levels' tiles
+// (a tile of query rows against each key block, the block widened once) as from the generic
+// level's row-by-row loop. A token tree's node sees its path at the positions a chain would.
 // q: [num_tokens, heads, head_dim] float with row stride ldq; k_pool, v_pool: [blocks, block_size,
 // kv_heads, head_dim] half bits; out row stride ldo. head_dim a multiple of 16.
 void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_pool, const uint16_t* v_pool,

@@ -12,6 +12,8 @@
 namespace specserve::avx2 {
 namespace {
 
+constexpr int kScoreVecs = 1;  // 1 row vector x 1 key: the lane tree's ~5 partial sums of 2 registers
+constexpr int kScoreKeys = 1;
 constexpr int kRowTile = 2;  // 2 rows x 2 chunks = 8 accumulators (of 16 registers), + 4 value halves
 constexpr int kChunkGroup = 2;
 
@@ -42,6 +44,10 @@ inline V vmin(V a, V b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi,
 inline V vneg(V a) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   return {_mm256_xor_ps(a.lo, sign), _mm256_xor_ps(a.hi, sign)};
+}
+inline V vsel_lt(V a, V b, V x, V y) {
+  return {_mm256_blendv_ps(y.lo, x.lo, _mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
+          _mm256_blendv_ps(y.hi, x.hi, _mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))};
 }
 
 // s[l] += s[l + 4], s[l] += s[l + 2], s[0] += s[1] within one __m256 of 8 lanes.

@@ -13,6 +13,8 @@
 namespace specserve::avx512 {
 namespace {
 
+constexpr int kScoreVecs = 2;  // 2 row vectors x 2 keys: 4 lane trees of ~5 partial sums, + 2 q vectors
+constexpr int kScoreKeys = 2;
 constexpr int kRowTile = 4;     // 4 rows x 4 chunks = 16 accumulators, + 4 value chunks
 constexpr int kChunkGroup = 4;
 
@@ -32,6 +34,7 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
 inline V vneg(V a) { return _mm512_xor_ps(a, _mm512_set1_ps(-0.0f)); }
+inline V vsel_lt(V a, V b, V x, V y) { return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), x); }
 inline float vmax_all(V a) { return _mm512_reduce_max_ps(a); }
 
 // s[l] += s[l + 8], s[l] += s[l + 4], s[l] += s[l + 2], s[0] += s[1].

@@ -106,22 +106,29 @@ inline void rope_pairs(float* xh, const float* c, const float* s, int64_t from, 
 // ---- attention: one (sequence, kv head) pair ------------------------------------------------
 //
 // Its rows are r = t * group + g for the sequence's query tokens t < num_q and the query heads
-// g < group that share kv head `kvh`; all of them are computed together so that each K and V
-// row is read once. Keys are the sequence's slots [first_slot, first_slot + num_keys), numbered
-// from 0 here: prefix_len and tree_start count from first_slot (AttentionBatch's kv_start), so
-// the levels' loops never meet a hidden slot.
+// g < group that share kv head `kvh`; a task computes the rows [row_begin, row_end) of them (the
+// dispatch splits a long prompt's rows into several tasks, one thread each). Keys are the
+// sequence's slots [first_slot, first_slot + num_keys), numbered from 0 here: prefix_len and
+// tree_start count from first_slot (AttentionBatch's kv_start), so the levels' loops never meet a
+// hidden slot. Key p's position (which key block it belongs to, layer_ops.h) is first_slot + p
+// for a prefix slot and tree_pos[p - tree_start] for a tree slot.
+// The online softmax's key blocks: positions [kKeyBlock * b, kKeyBlock * (b + 1)) (layer_ops.h).
+constexpr int64_t kKeyBlock = 32;
+
 struct AttentionTask {
   const float* q;  // row r at q + t * ldq + g * head_dim (the first head of this kv head's group)
   int64_t ldq;
   float* out;  // row r at out + t * ldo + g * head_dim
   int64_t ldo;
   int64_t num_q, group, head_dim;
+  int64_t row_begin, row_end;  // the rows this task computes
   float scale;
   const int64_t* prefix_len;  // [num_q], the sequence's own
   const int64_t* tree_row;    // [num_q] or null
   const uint8_t* tree_mask;
   int64_t tree_start, tree_size;
-  const uint16_t* k;  // the pools (half bits), offset to this kv head
+  const int64_t* tree_pos;  // [tree_size] the tree slots' positions (absolute)
+  const uint16_t* k;        // the pools (half bits), offset to this kv head
   const uint16_t* v;
   const int64_t* blocks;  // the sequence's block table row
   int64_t block_size;
@@ -133,30 +140,18 @@ struct AttentionTask {
   const int64_t* lo;
   float softcap;  // scores -> softcap_one(score, softcap) before the max; 0: none
 
-  int64_t rows() const { return num_q * group; }
-  int64_t keys_padded() const { return (num_keys + 15) / 16 * 16; }
   const float* q_row(int64_t r) const { return q + (r / group) * ldq + (r % group) * head_dim; }
   float* out_row(int64_t r) const { return out + (r / group) * ldo + (r % group) * head_dim; }
+  bool has_trees() const { return tree_row != nullptr; }
 
-  // The slots [shared_from(r0, r1), shared_keys(r0, r1)) are seen by every row r0 <= r < r1
-  // (their prefixes, cut by their windows' lower ends).
-  int64_t shared_keys(int64_t r0, int64_t r1) const {
-    int64_t n = num_keys;
-    for (int64_t r = r0; r < r1; ++r) n = prefix_len[r / group] < n ? prefix_len[r / group] : n;
-    return n;
-  }
-  int64_t shared_from(int64_t r0, int64_t r1) const {
-    int64_t a = 0;
-    for (int64_t r = r0; lo != nullptr && r < r1; ++r) a = lo[r / group] > a ? lo[r / group] : a;
-    return a;
-  }
-  // Row r's first visible key of its prefix part.
+  // Row r's first visible key of its prefix part, and the end of that part.
   int64_t from(int64_t r) const { return lo == nullptr ? 0 : lo[r / group]; }
+  int64_t prefix_end(int64_t r) const { return prefix_len[r / group] < num_keys ? prefix_len[r / group] : num_keys; }
 
-  // Past the shared keys, row r sees slots below this (and not all of them when it is a tree's).
+  // Past its prefix part, row r sees slots below this (and not all of them when it is a tree's).
   int64_t reach(int64_t r) const {
     const int64_t t = r / group;
-    return tree_row != nullptr && tree_row[t] >= 0 ? num_keys : (prefix_len[t] < num_keys ? prefix_len[t] : num_keys);
+    return tree_row != nullptr && tree_row[t] >= 0 ? num_keys : prefix_end(r);
   }
 
   // Whether query token t sees slot p (layer_ops.h's AttentionBatch).
@@ -166,12 +161,22 @@ struct AttentionTask {
     const int64_t m = p - tree_start;
     return m >= 0 && m < tree_size && tree_mask[tree_row[t] + m] != 0;
   }
+
+  // The key block (layer_ops.h: aligned to absolute positions) of slot p as query token t sees
+  // it: through its prefix at position first_slot + p, through its tree mask at its node's.
+  int64_t key_block(int64_t t, int64_t p) const {
+    return (p < prefix_len[t] ? first_slot + p : tree_pos[p - tree_start]) / kKeyBlock;
+  }
 };
 
-// Scratch a task needs: scores / weights [rows][keys_padded], o [rows][head_dim], l [rows], and
-// one widened K or V row [head_dim] (the generic level's).
+// Rows of one tile of the SIMD levels: a multiple of 16 (rows are vector lanes there).
+constexpr int64_t kTileRows = 64;
+
+// Scratch a task needs (floats): the SIMD levels' tile (q transposed [head_dim][kTileRows],
+// scores [kKeyBlock][kTileRows], widened K and V [kKeyBlock][head_dim], o [kTileRows][head_dim],
+// and per row m, l, alpha and the visible range), more than the generic level's.
 inline int64_t attention_scratch_floats(const AttentionTask& t) {
-  return t.rows() * (t.keys_padded() + t.head_dim + 1) + t.head_dim;
+  return kTileRows * (2 * t.head_dim + kKeyBlock + 5) + 2 * kKeyBlock * t.head_dim + t.head_dim;
 }
 
 // Walks a task's keys first_key, first_key + 1, ... (sequence slots from t.first_slot +
@@ -194,6 +199,12 @@ struct SlotCursor {
     return at;
   }
 };
+
+// The pool offset (in halves) of the task's key p.
+inline int64_t slot_offset(const AttentionTask& t, int64_t p) {
+  const int64_t slot = t.first_slot + p;
+  return (t.blocks[slot / t.block_size] * t.block_size + slot % t.block_size) * t.slot_stride;
+}
 
 // ---- per-level tables -------------------------------------------------------------------------
 
