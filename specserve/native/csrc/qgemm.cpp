@@ -83,12 +83,14 @@ void gemm_generic(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1, cons
 constexpr GemmEntry kGenericGemms[] = {
     {FMT_Q4_0, gemm_generic<FMT_Q4_0>}, {FMT_Q4_1, gemm_generic<FMT_Q4_1>}, {FMT_Q8_0, gemm_generic<FMT_Q8_0>},
     {FMT_Q4_K, gemm_generic<FMT_Q4_K>}, {FMT_Q5_K, gemm_generic<FMT_Q5_K>}, {FMT_Q6_K, gemm_generic<FMT_Q6_K>},
+    {FMT_Q5_0, gemm_generic<FMT_Q5_0>}, {FMT_Q5_1, gemm_generic<FMT_Q5_1>}, {FMT_IQ4_NL, gemm_generic<FMT_IQ4_NL>},
 };
+constexpr int kNumGenericGemms = sizeof(kGenericGemms) / sizeof(kGenericGemms[0]);
 
 }  // namespace
 
 const GemmKernels& gemm_kernels_generic() {
-  static const GemmKernels k = make_gemm_kernels(quantize_generic, kGenericGemms, 6);
+  static const GemmKernels k = make_gemm_kernels(quantize_generic, kGenericGemms, kNumGenericGemms);
   return k;
 }
 
