@@ -1,5 +1,5 @@
 """specserve's native quantized products (specserve/native/csrc/qgemm*) on GGUF Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K and Q6_K weights.
+Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K and Q6_K weights.
 
 Exact tests: units dequantize to the gguf package's own floats bit for bit; `qgemm` equals, bit
 for bit, `reference_qgemm` below (qgemm.h's defined arithmetic in torch), at every CPU level this
@@ -21,15 +21,15 @@ from tests.helpers import native_levels
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 # Byte offsets in a raw GGUF block of the fp16 scale d and of the fp16 min (Q4_1) or dmin (K-quants).
 SCALE_AT = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2), "Q8_0": (0, None),
-            "IQ4_NL": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+            "IQ4_NL": (0, None), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 # Raw bytes that put every weight of a block at its largest magnitude: Q5_0 q = 0 (-16), IQ4_NL q = 0
-# (-127), Q6_K q = 0 (-32) with scales -128, the others every bit set (q = 15 or 31, 6-bit scale and
-# min 63); from this byte of the block on (after the fp16 fields).
-EXTREME = {"Q5_0": (2, 0x00), "Q5_1": (4, 0xFF), "IQ4_NL": (2, 0x00), "Q4_K": (4, 0xFF), "Q5_K": (4, 0xFF)}
+# (-127), Q3_K q = 0 (-4) with scales -32, Q6_K q = 0 (-32) with scales -128, the others every bit set
+# (q = 15 or 31, 6-bit scale and min 63); from this byte of the block on (after the fp16 fields).
+EXTREME = {"Q3_K": (0, 0x00), "Q5_0": (2, 0x00), "Q5_1": (4, 0xFF), "IQ4_NL": (2, 0x00), "Q4_K": (4, 0xFF), "Q5_K": (4, 0xFF)}
 ROWS, COLS = 40, 512  # 40 rows: the last unit row is padded
 
 

@@ -18,6 +18,7 @@ const char* format_name(int format) {
     case FMT_Q5_0: return "Q5_0";
     case FMT_Q5_1: return "Q5_1";
     case FMT_Q8_0: return "Q8_0";
+    case FMT_Q3_K: return "Q3_K";
     case FMT_IQ4_NL: return "IQ4_NL";
     case FMT_Q4_K: return "Q4_K";
     case FMT_Q5_K: return "Q5_K";
@@ -30,8 +31,8 @@ namespace {
 
 // One row's 32-element block as GGUF stores it, its fields taken apart.
 struct RawBlock {
-  uint8_t q[kBlock];  // stored values: 4 bits (IQ4_NL: kvalues' index), 5 (Q5_*), 6 (Q6_K), or int8 bits (Q8_0)
-  uint8_t sc[2];      // K-quants: the scale of each half (Q4_K, Q5_K: one 6-bit scale, twice)
+  uint8_t q[kBlock];  // stored values: 3 bits (Q3_K), 4 (IQ4_NL: kvalues' index), 5 (Q5_*), 6 (Q6_K), or int8 bits (Q8_0)
+  uint8_t sc[2];      // K-quants: the scale of each half (Q4_K, Q5_K: one 6-bit scale, twice; Q3_K, Q6_K: int8 bits)
   uint8_t m;          // Q4_K, Q5_K: the 6-bit min
   uint16_t d, dm;     // fp16 scale (the super-block's for K-quants); Q4_1's and Q5_1's min, K-quants' dmin
 };
@@ -92,6 +93,21 @@ void read_raw(int format, const uint8_t* row, int64_t b, RawBlock& out) {
       out.dm = load_half(blk + 2);
       return;
     }
+    case FMT_Q3_K: {  // hmask[32], qs[64], scales[12], d: element e = 32j + i of the super-block has low
+                      // bits (qs[32(j / 4) + i] >> 2(j % 4)) & 3 and bit 2 in bit j of hmask[i]
+      for (int i = 0; i < kBlock; ++i) {
+        const int low = (blk[32 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
+        out.q[i] = static_cast<uint8_t>(low | (((blk[i] >> j) & 1) << 2));
+      }
+      // The 6-bit scale k (of elements 16k ..): low nibble in byte k (k < 8) or the high nibble of
+      // byte k - 8, top two bits at bits 2(k / 4) of byte 8 + k % 4; stored less 32.
+      for (int h = 0; h < 2; ++h) {
+        const int k = 2 * j + h, s = blk[96 + k % 8] >> (4 * (k / 8)) & 15;
+        out.sc[h] = static_cast<uint8_t>((s | (((blk[104 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32);
+      }
+      out.d = load_half(blk + 108);
+      return;
+    }
     case FMT_Q6_K: {  // ql[128], qh[64], scales[16] int8, d: element e = 128c + l of the super-block
       for (int i = 0; i < kBlock; ++i) {  // has low bits in ql[64c + l % 64], high in qh[32c + l % 32]
         const int e = 32 * j + i, c = e / 128, l = e % 128;
@@ -114,6 +130,17 @@ void write_unit_row(int format, const RawBlock& rb, int r, uint8_t* header, uint
     for (int j = 0; j < 8; ++j)
       for (int e = 0; e < 4; ++e) body[(j * 16 + r) * 4 + e] = rb.q[4 * j + e];
     store_half(body + s + 2 * r, rb.d);
+    return;
+  }
+  if (format == FMT_Q3_K) {  // cr[k][r][e] bits 2j..2j+1 and hb[r][e] bit j, as qgemm.h lays them out
+    for (int g = 0; g < 8; ++g)
+      for (int e = 0; e < 4; ++e) {
+        body[64 * (g / 4) + 4 * r + e] |= (rb.q[4 * g + e] & 3) << (2 * (g % 4));
+        body[kQ3HighBits + 4 * r + e] |= ((rb.q[4 * g + e] >> 2) & 1) << g;
+      }
+    body[s + r] = rb.sc[0];
+    body[s + 16 + r] = rb.sc[1];
+    store_half(header + 2 * r, rb.d);
     return;
   }
   for (int p = 0; p < 4; ++p)

@@ -84,6 +84,7 @@ constexpr GemmEntry kGenericGemms[] = {
     {FMT_Q4_0, gemm_generic<FMT_Q4_0>}, {FMT_Q4_1, gemm_generic<FMT_Q4_1>}, {FMT_Q8_0, gemm_generic<FMT_Q8_0>},
     {FMT_Q4_K, gemm_generic<FMT_Q4_K>}, {FMT_Q5_K, gemm_generic<FMT_Q5_K>}, {FMT_Q6_K, gemm_generic<FMT_Q6_K>},
     {FMT_Q5_0, gemm_generic<FMT_Q5_0>}, {FMT_Q5_1, gemm_generic<FMT_Q5_1>}, {FMT_IQ4_NL, gemm_generic<FMT_IQ4_NL>},
+    {FMT_Q3_K, gemm_generic<FMT_Q3_K>},
 };
 constexpr int kNumGenericGemms = sizeof(kGenericGemms) / sizeof(kGenericGemms[0]);
 

@@ -29,15 +29,16 @@
 //   Q5_1    q (q: 5 bits)                 d                  m
 //   Q8_0    q (int8)                      d                  -
 //   IQ4_NL  kvalues[q] (q: 4 bits)        d                  -     (kvalues: GGUF's int8 table below)
+//   Q3_K    sc[h] * (q - 4) (q: 3 bits)   d (super-block)    -     (sc[h]: 6 bits less 32)
 //   Q4_K    sc * q (sc: 6 bits, q: 4)     d (super-block)    -(dmin * m)  (m: 6 bits; the product is exact)
 //   Q5_K    sc * q (sc: 6 bits, q: 5)     d (super-block)    -(dmin * m)
 //   Q6_K    sc[h] * (q - 32) (q: 6 bits)  d (super-block)    -
 //
 // K-quants keep GGUF's 256-element super-blocks of 8 blocks: d and dmin are fp16 per super-block,
-// sc and m per block (Q6_K: one int8 sc per 16-element half h of the block, i.e. element i of the
-// block has sc[i / 16]). Their I needs the sub-scale product in int32 (|I| < 2^24 in every format),
+// sc and m per block (Q3_K, Q6_K: one int8 sc per 16-element half h of the block, i.e. element i
+// of the block has sc[i / 16]). Their I needs the sub-scale product in int32 (|I| < 2^24 in every format),
 // formed at each level as sum over halves h of sc[h] * (sum over the half of u[i] * a[i]
-// - off * s16[h]), u the stored unsigned value and off its offset (Q4_0 8, Q5_0 16, Q6_K 32): the
+// - off * s16[h]), u the stored unsigned value and off its offset (Q3_K 4, Q4_0 8, Q5_0 16, Q6_K 32): the
 // same exact integer, however a level groups the sums. Q8_0's and IQ4_NL's w[i] are signed int8
 // (IQ4_NL's looked up from its nibble at each level), taken as Q8_0's are.
 #pragma once
@@ -60,6 +61,7 @@ enum Format : int {
   FMT_Q5_0 = 6,
   FMT_Q5_1 = 7,
   FMT_Q8_0 = 8,
+  FMT_Q3_K = 11,
   FMT_Q4_K = 12,
   FMT_Q5_K = 13,
   FMT_Q6_K = 14,
@@ -88,15 +90,20 @@ static_assert(sizeof(ActBlock) == 48, "ActBlock is 48 bytes");
 //   Q5_1: nib[4][16][4] u8, hb[16][4] u8, d[16] fp16, m[16] fp16       (384 B)
 //   Q8_0: q[8][16][4] i8 (512 B), d[16] fp16
 //   IQ4_NL: nib[4][16][4] u8 (256 B), d[16] fp16 (the nibbles are kvalues' indices)
+//   Q3_K: cr[2][16][4] u8, hb[16][4] u8, sc[2][16] i8                 (224 B)
 //   Q4_K: nib[4][16][4] u8, sc[16] u8, m[16] u8                        (288 B)
 //   Q5_K: nib[4][16][4] u8, hb[16][4] u8, sc[16] u8, m[16] u8          (352 B)
 //   Q6_K: nib[4][16][4] u8, hq[2][16][4] u8, sc[2][16] i8              (416 B)
 // nib[p][r][e]: low nibble = element 4p + e (group p), high nibble = element 16 + 4p + e
 // (group p + 4) of row r. q[j][r][e] = element 4j + e of row r. hb[r][e] bit j: the fifth bit
 // (value 16) of element 4j + e (Q5_0, Q5_1, Q5_K). hq[k][r][e] bits 2j..2j+1: bits 4..5 of element 4(4k + j) + e,
-// so plane k serves half k. sc[h][r]: the int8 scale of half h.
+// so plane k serves half k. sc[h][r]: the int8 scale of half h. cr[k][r][e] bits 2j..2j+1: bits
+// 0..1 of element 4(4k + j) + e (Q3_K's low bits, laid out as Q6_K's hq), its hb bit j: bit 2 of
+// element 4j + e. Q3_K's units hold 4 bytes more per 16 rows x 32 elements than its GGUF blocks
+// (228 B against 220: its 6-bit scales as whole bytes, loaded as they are).
 //
 constexpr int kHighBits = 256;  // where Q5_*'s hb and Q6_K's hq begin: after nib[4][16][4]
+constexpr int kQ3HighBits = 128;  // where Q3_K's hb begins: after cr[2][16][4]
 
 // K-quant units come in super-units of 8 (16 rows x one 256-element super-block): a header with
 // the 16 rows' d[16] fp16 (Q4_K, Q5_K: then dmin[16] fp16), then the 8 unit bodies above. A
@@ -118,6 +125,7 @@ constexpr UnitLayout unit_layout(int format) {
     case FMT_Q5_1: return {256 + 64 + 64, 0, 1, 24, 320};
     case FMT_Q8_0: return {512 + 32, 0, 1, 34, 512};
     case FMT_IQ4_NL: return {256 + 32, 0, 1, 18, 256};
+    case FMT_Q3_K: return {128 + 64 + 32, 32, 8, 110, 192};
     case FMT_Q4_K: return {256 + 32, 64, 8, 144, 256};
     case FMT_Q5_K: return {256 + 64 + 32, 64, 8, 176, 320};
     case FMT_Q6_K: return {256 + 128 + 32, 32, 8, 210, 384};
@@ -151,7 +159,8 @@ SPECSERVE_INLINE const uint8_t* unit_body(int format, const uint8_t* units, int6
 
 // One row of one unit, unpacked (generic code: the reference kernel, dequantization).
 struct RowBlock {
-  int32_t q[kBlock];  // w[i]: stored value less its offset (Q4_0 q - 8, Q5_0 q - 16, Q6_K q - 32), IQ4_NL's kvalues[q], else q
+  int32_t q[kBlock];  // w[i]: stored value less its offset (Q3_K q - 4, Q4_0 q - 8, Q5_0 q - 16, Q6_K q - 32),
+                      // IQ4_NL's kvalues[q], else q
   int32_t sc[2];      // integer sub-scale of each 16-element half (1 where the format has none)
   float d;            // dw
   float m;            // mw (0 where the format has no min)
@@ -165,6 +174,16 @@ SPECSERVE_INLINE void unpack_row(int format, const uint8_t* header, const uint8_
     for (int j = 0; j < 8; ++j)
       for (int e = 0; e < 4; ++e) out.q[4 * j + e] = static_cast<int8_t>(body[(j * 16 + r) * 4 + e]);
     out.d = half_to_float(load_half(body + s + 2 * r));
+    return;
+  }
+  if (format == FMT_Q3_K) {
+    for (int i = 0; i < kBlock; ++i) {
+      const int group = i / 4, low = (body[64 * (group / 4) + 4 * r + i % 4] >> (2 * (group % 4))) & 3;
+      out.q[i] = (low | (((body[kQ3HighBits + 4 * r + i % 4] >> group) & 1) << 2)) - 4;
+    }
+    out.sc[0] = static_cast<int8_t>(body[s + r]);
+    out.sc[1] = static_cast<int8_t>(body[s + 16 + r]);
+    out.d = half_to_float(load_half(header + 2 * r));
     return;
   }
   for (int p = 0; p < 4; ++p)
