@@ -1,9 +1,9 @@
 // Quantized matrix products: y[t, r] = sum_k W[r, k] x[t, k] on GGUF block formats.
 //
-// Weights keep their GGUF bits (4-bit, 5-bit, 6-bit or 8-bit values and their fp16 scales),
-// repacked at load into "units" of the same bytes as the rows' GGUF blocks (a pass reads what the
-// file holds): 16 consecutive rows x one 32-element block, laid out so that a
-// SIMD register holds one 4-element group of all 16 rows and an integer dot-product
+// Weights keep their GGUF bits (3-bit to 8-bit values and their fp16 scales), repacked at load
+// into "units" of the same bytes as the rows' GGUF blocks, so that a pass reads what the file
+// holds (Q3_K: 4% more, see its layout): 16 consecutive rows x one 32-element block, laid out so
+// that a SIMD register holds one 4-element group of all 16 rows and an integer dot-product
 // instruction (VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd) gives the 16 rows' partial sums at
 // once. Activations are quantized per row per 32-element block to int8 with a float scale
 // (ActBlock), so the products inside a block are exact integer sums.
@@ -36,10 +36,10 @@
 //
 // K-quants keep GGUF's 256-element super-blocks of 8 blocks: d and dmin are fp16 per super-block,
 // sc and m per block (Q3_K, Q6_K: one int8 sc per 16-element half h of the block, i.e. element i
-// of the block has sc[i / 16]). Their I needs the sub-scale product in int32 (|I| < 2^24 in every format),
-// formed at each level as sum over halves h of sc[h] * (sum over the half of u[i] * a[i]
-// - off * s16[h]), u the stored unsigned value and off its offset (Q3_K 4, Q4_0 8, Q5_0 16, Q6_K 32): the
-// same exact integer, however a level groups the sums. Q8_0's and IQ4_NL's w[i] are signed int8
+// of the block has sc[i / 16]). Their I needs the sub-scale product in int32 (|I| < 2^24 in every
+// format), formed at each level as sum over halves h of sc[h] * (sum over the half of u[i] * a[i]
+// - off * s16[h]), u the stored unsigned value and off its offset (Q3_K 4, Q4_0 8, Q5_0 16, Q6_K
+// 32): the same exact integer, however a level groups the sums. Q8_0's and IQ4_NL's w[i] are signed int8
 // (IQ4_NL's looked up from its nibble at each level), taken as Q8_0's are.
 #pragma once
 
@@ -96,8 +96,8 @@ static_assert(sizeof(ActBlock) == 48, "ActBlock is 48 bytes");
 //   Q6_K: nib[4][16][4] u8, hq[2][16][4] u8, sc[2][16] i8              (416 B)
 // nib[p][r][e]: low nibble = element 4p + e (group p), high nibble = element 16 + 4p + e
 // (group p + 4) of row r. q[j][r][e] = element 4j + e of row r. hb[r][e] bit j: the fifth bit
-// (value 16) of element 4j + e (Q5_0, Q5_1, Q5_K). hq[k][r][e] bits 2j..2j+1: bits 4..5 of element 4(4k + j) + e,
-// so plane k serves half k. sc[h][r]: the int8 scale of half h. cr[k][r][e] bits 2j..2j+1: bits
+// (value 16) of element 4j + e (Q5_0, Q5_1, Q5_K). hq[k][r][e] bits 2j..2j+1: bits 4..5 of element
+// 4(4k + j) + e, so plane k serves half k. sc[h][r]: the int8 scale of half h. cr[k][r][e] bits 2j..2j+1: bits
 // 0..1 of element 4(4k + j) + e (Q3_K's low bits, laid out as Q6_K's hq), its hb bit j: bit 2 of
 // element 4j + e. Q3_K's units hold 4 bytes more per 16 rows x 32 elements than its GGUF blocks
 // (228 B against 220: its 6-bit scales as whole bytes, loaded as they are).
