@@ -1,5 +1,5 @@
 """specserve's native quantized products (specserve/native/csrc/qgemm*) on GGUF Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, IQ4_NL, Q3_K, Q4_K, Q5_K and Q6_K weights.
+Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights.
 
 Exact tests: units dequantize to the gguf package's own floats bit for bit; `qgemm` equals, bit
 for bit, `reference_qgemm` below (qgemm.h's defined arithmetic in torch), at every CPU level this
@@ -21,15 +21,15 @@ from tests.helpers import native_levels
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
-FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 # Byte offsets in a raw GGUF block of the fp16 scale d and of the fp16 min (Q4_1) or dmin (K-quants).
 SCALE_AT = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2), "Q8_0": (0, None),
-            "IQ4_NL": (0, None), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+            "IQ4_NL": (0, None), "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
 # Raw bytes that put every weight of a block at its largest magnitude: Q5_0 q = 0 (-16), IQ4_NL q = 0
 # (-127), Q3_K q = 0 (-4) with scales -32, Q6_K q = 0 (-32) with scales -128, the others every bit set
 # (q = 15 or 31, 6-bit scale and min 63); from this byte of the block on (after the fp16 fields).
-EXTREME = {"Q3_K": (0, 0x00), "Q5_0": (2, 0x00), "Q5_1": (4, 0xFF), "IQ4_NL": (2, 0x00), "Q4_K": (4, 0xFF), "Q5_K": (4, 0xFF)}
+EXTREME = {"Q2_K": (0, 0xFF), "Q3_K": (0, 0x00), "Q5_0": (2, 0x00), "Q5_1": (4, 0xFF), "IQ4_NL": (2, 0x00), "Q4_K": (4, 0xFF), "Q5_K": (4, 0xFF)}
 ROWS, COLS = 40, 512  # 40 rows: the last unit row is padded
 
 
@@ -93,7 +93,8 @@ def quantize_act(x: torch.Tensor):
 
 def weight_terms(fmt: str, raw: np.ndarray):
     """Integer weights w [rows, nb, 32] (float64), dw and mw [rows, nb] (float32; mw None without a
-    min), read through the gguf package: dequantizing with d = 1 and no min gives w exactly."""
+    min) and Q2_K's integer mins per half [rows, nb, 2] (float64; else None), read through the gguf
+    package: dequantizing with d = 1 and no min gives w exactly."""
     t = Q[fmt]
     block, size = GGML_QUANT_SIZES[t]
     rows = raw.shape[0]
@@ -110,23 +111,30 @@ def weight_terms(fmt: str, raw: np.ndarray):
         return torch.from_numpy(dequantize(b.reshape(rows, -1), t).reshape(rows, -1, 32).copy())
 
     w = deq(1.0, 0.0 if m_at is not None else None).double()
-    mw = None
+    mw = half_mins = None
     if fmt in ("Q4_1", "Q5_1"):
         mw = field(m_at)
+    elif fmt == "Q2_K":  # mw = -dmin; m[h] read as -(0 * q - 1 * m[h])
+        mw = -per_32(field(m_at))
+        half_mins = (0.0 - deq(0.0, 1.0)[..., ::16]).double()
     elif m_at is not None:  # K-quants: mw = -(dmin * m), m read as -(0 * q - 1 * m)
         m = 0.0 - deq(0.0, 1.0)[..., 0]
         mw = -(per_32(field(m_at)) * m)
-    return w, per_32(field(d_at)), mw
+    return w, per_32(field(d_at)), mw, half_mins
 
 
 def reference_qgemm(fmt, raw, x, bias=None, residual=None) -> torch.Tensor:
-    w, dw, mw = weight_terms(fmt, raw)
+    w, dw, mw, half_mins = weight_terms(fmt, raw)
     q, da, sd = quantize_act(x)
     block_sums = torch.einsum("tbi,rbi->trb", q, w)  # exact: integers far below 2^53
+    if half_mins is not None:  # M = sum over halves of m[h] * s16[h], exact
+        min_sums = torch.einsum("tbh,rbh->trb", q.view(*q.shape[:2], 2, 16).sum(-1), half_mins)
     acc = torch.zeros(x.shape[0], raw.shape[0])
     for b in range(w.shape[1]):
         acc = fma32(block_sums[:, :, b].float(), dw[None, :, b] * da[:, b, None], acc)
-        if mw is not None:
+        if half_mins is not None:
+            acc = fma32(min_sums[:, :, b].float(), mw[None, :, b] * da[:, b, None], acc)
+        elif mw is not None:
             acc = fma32(mw[None, :, b].expand_as(acc), sd[:, b, None].expand_as(acc), acc)
     if bias is not None:
         acc = acc + bias
@@ -253,8 +261,8 @@ def test_bad_inputs_are_refused_with_clear_messages():
         ext.repack(q4k, torch.zeros(16, 162, dtype=torch.uint8), 288)
     with pytest.raises(RuntimeError, match="raw rows hold 100 bytes, expected 288"):
         ext.repack(q4k, torch.zeros(16, 100, dtype=torch.uint8), COLS)
-    with pytest.raises(RuntimeError, match=r"weight format 10 has no kernel; supported GGML types: Q4_0 \(2\)"):
-        ext.repack(int(Q.Q2_K), torch.zeros(16, 84, dtype=torch.uint8), 256)
+    with pytest.raises(RuntimeError, match=r"weight format 17 has no kernel; supported GGML types: Q4_0 \(2\)"):
+        ext.repack(int(Q.IQ2_XS), torch.zeros(16, 74, dtype=torch.uint8), 256)
     with pytest.raises(RuntimeError, match="units were packed for another format than Q6_K"):
         ext.qgemm(0, int(Q.Q6_K), units, ROWS, torch.randn(1, COLS))
     with pytest.raises(RuntimeError, match="units hold a weight of 512 columns, not 256"):

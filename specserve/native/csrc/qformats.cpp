@@ -18,6 +18,7 @@ const char* format_name(int format) {
     case FMT_Q5_0: return "Q5_0";
     case FMT_Q5_1: return "Q5_1";
     case FMT_Q8_0: return "Q8_0";
+    case FMT_Q2_K: return "Q2_K";
     case FMT_Q3_K: return "Q3_K";
     case FMT_IQ4_NL: return "IQ4_NL";
     case FMT_Q4_K: return "Q4_K";
@@ -93,6 +94,14 @@ void read_raw(int format, const uint8_t* row, int64_t b, RawBlock& out) {
       out.dm = load_half(blk + 2);
       return;
     }
+    case FMT_Q2_K: {  // scales[16] (scale | min << 4 per 16 elements), qs[64], d, dmin: low bits as Q3_K's
+      for (int i = 0; i < kBlock; ++i) out.q[i] = (blk[16 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
+      out.sc[0] = blk[2 * j];
+      out.sc[1] = blk[2 * j + 1];
+      out.d = load_half(blk + 80);
+      out.dm = load_half(blk + 82);
+      return;
+    }
     case FMT_Q3_K: {  // hmask[32], qs[64], scales[12], d: element e = 32j + i of the super-block has low
                       // bits (qs[32(j / 4) + i] >> 2(j % 4)) & 3 and bit 2 in bit j of hmask[i]
       for (int i = 0; i < kBlock; ++i) {
@@ -132,12 +141,13 @@ void write_unit_row(int format, const RawBlock& rb, int r, uint8_t* header, uint
     store_half(body + s + 2 * r, rb.d);
     return;
   }
-  if (format == FMT_Q3_K) {  // cr[k][r][e] bits 2j..2j+1 and hb[r][e] bit j, as qgemm.h lays them out
+  if (format == FMT_Q3_K || format == FMT_Q2_K) {  // cr[k][r][e] bits 2j..2j+1 (and Q3_K's hb[r][e] bit j)
     for (int g = 0; g < 8; ++g)
       for (int e = 0; e < 4; ++e) {
         body[64 * (g / 4) + 4 * r + e] |= (rb.q[4 * g + e] & 3) << (2 * (g % 4));
-        body[kQ3HighBits + 4 * r + e] |= ((rb.q[4 * g + e] >> 2) & 1) << g;
+        if (format == FMT_Q3_K) body[kQ3HighBits + 4 * r + e] |= ((rb.q[4 * g + e] >> 2) & 1) << g;
       }
+    if (format == FMT_Q2_K) store_half(header + 32 + 2 * r, rb.dm);
     body[s + r] = rb.sc[0];
     body[s + 16 + r] = rb.sc[1];
     store_half(header + 2 * r, rb.d);
@@ -209,6 +219,7 @@ void dequantize_row(int format, const uint8_t* units, int64_t nb, int64_t r, flo
     for (int i = 0; i < kBlock; ++i) {
       float v = (rb.d * static_cast<float>(rb.sc[i / 16])) * static_cast<float>(rb.q[i]);
       if (has_min(format)) v = v + rb.m;
+      if (has_half_mins(format)) v = v + rb.dm * static_cast<float>(rb.mh[i / 16]);
       out[b * kBlock + i] = v;
     }
   }
