@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import gguf
@@ -120,10 +121,30 @@ def gguf_tensor_name(hf: str, arch: str) -> str:
     return f"blk.{layer}.{names[rest]}"
 
 
-def write_gguf(folder: Path, path: Path, quantized: bool, drop=(), extra_tensors=None, meta=None) -> Path:
-    """The folder's weights as a GGUF of its architecture (float32, or Q8_0 matrices with the
-    embedding kept float), with the metadata llama.cpp's converter writes for it (Gemma's norm
-    weights as 1 + w, its window and soft-caps)."""
+# IQ4_NL's grid (ggml's kvalues_iq4nl): a stored nibble q stands for d * IQ4_NL_VALUES[q].
+IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def quantize_blocks(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """float32 [rows, cols] as raw GGUF blocks uint8 [rows, row_bytes]: the gguf package's quantizer,
+    or for IQ4_NL (which it only dequantizes) a plain one: d = the block's largest-magnitude value
+    / -127 (ggml's first guess), each weight to the nearest grid value."""
+    if qtype != GGMLQuantizationType.IQ4_NL:
+        return quantize(w, qtype)
+    blocks = w.reshape(-1, 32)
+    big = blocks[np.arange(len(blocks)), np.abs(blocks).argmax(1)]
+    d = (big / -127.0).astype(np.float16)
+    scaled = np.divide(blocks, d.astype(np.float32)[:, None], out=np.zeros_like(blocks), where=d[:, None] != 0)
+    q = np.abs(scaled[..., None] - IQ4_NL_VALUES).argmin(-1).astype(np.uint8)
+    raw = np.concatenate([d.reshape(-1, 1).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    return raw.reshape(w.shape[0], -1)
+
+
+def write_gguf(folder: Path, path: Path, quantized: bool, drop=(), extra_tensors=None, meta=None,
+               qtypes: Sequence[GGMLQuantizationType] = (GGMLQuantizationType.Q8_0,)) -> Path:
+    """The folder's weights as a GGUF of its architecture (float32, or quantized matrices with the
+    embedding kept float: `qtypes` in turn, Q8_0 by default), with the metadata llama.cpp's
+    converter writes for it (Gemma's norm weights as 1 + w, its window and soft-caps)."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = cfg["model_type"].removesuffix("_text")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -163,11 +184,14 @@ def write_gguf(folder: Path, path: Path, quantized: bool, drop=(), extra_tensors
     if arch.startswith("gemma"):
         tensors = {n: t + 1 if n.endswith("norm.weight") else t for n, t in tensors.items()}
     tensors |= extra_tensors or {}
+    matrices = 0
     for name, t in tensors.items():
         if name in drop:
             continue
         if quantized and t.ndim == 2 and name != "token_embd.weight":
-            writer.add_tensor(name, quantize(t, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+            qtype = qtypes[matrices % len(qtypes)]
+            matrices += 1
+            writer.add_tensor(name, quantize_blocks(t, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, t)
     writer.write_header_to_file()

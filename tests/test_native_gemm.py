@@ -1,5 +1,5 @@
-"""specserve's native quantized products (specserve/native/csrc/qgemm*) on GGUF Q4_0, Q4_1, Q8_0,
-Q4_K, Q5_K and Q6_K weights.
+"""specserve's native quantized products (specserve/native/csrc/qgemm*) on GGUF Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights.
 
 Exact tests: units dequantize to the gguf package's own floats bit for bit; `qgemm` equals, bit
 for bit, `reference_qgemm` below (qgemm.h's defined arithmetic in torch), at every CPU level this
@@ -21,10 +21,15 @@ from tests.helpers import native_levels
 ext = native.load()
 pytestmark = pytest.mark.skipif(ext is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")
 
-FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 # Byte offsets in a raw GGUF block of the fp16 scale d and of the fp16 min (Q4_1) or dmin (K-quants).
-SCALE_AT = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q8_0": (0, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+SCALE_AT = {"Q4_0": (0, None), "Q4_1": (0, 2), "Q5_0": (0, None), "Q5_1": (0, 2), "Q8_0": (0, None),
+            "IQ4_NL": (0, None), "Q2_K": (80, 82), "Q3_K": (108, None), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None)}
+# Raw bytes that put every weight of a block at its largest magnitude: Q5_0 q = 0 (-16), IQ4_NL q = 0
+# (-127), Q3_K q = 0 (-4) with scales -32, Q6_K q = 0 (-32) with scales -128, the others every bit set
+# (q = 15 or 31, 6-bit scale and min 63); from this byte of the block on (after the fp16 fields).
+EXTREME = {"Q2_K": (0, 0xFF), "Q3_K": (0, 0x00), "Q5_0": (2, 0x00), "Q5_1": (4, 0xFF), "IQ4_NL": (2, 0x00), "Q4_K": (4, 0xFF), "Q5_K": (4, 0xFF)}
 ROWS, COLS = 40, 512  # 40 rows: the last unit row is padded
 
 
@@ -33,9 +38,10 @@ def fp16_bytes(values) -> np.ndarray:
 
 
 def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Raw GGUF rows uint8 [rows, row_bytes]. The gguf package quantizes the 32-element formats
-    (from normal weights); K-quant blocks are random bytes with sane fp16 scales of either sign,
-    and the last rows take the largest block sums the formats allow (every weight at its extreme)."""
+    """Raw GGUF rows uint8 [rows, row_bytes]. The gguf package quantizes Q4_0, Q4_1 and Q8_0 (from
+    normal weights); the other formats' blocks are random bytes (every bit pattern of Q5_0's and
+    Q5_1's fifth bits, every IQ4_NL table entry) with sane fp16 scales of either sign, and the last
+    rows take the largest block sums the formats allow (every weight at its extreme)."""
     rng = np.random.default_rng(seed)
     t = Q[fmt]
     if fmt in ("Q4_0", "Q4_1", "Q8_0"):
@@ -44,8 +50,9 @@ def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     if fmt == "Q6_K":  # q = 0 (weight -32) everywhere, scales -128: |I| = 4096 * 127 * 32, just under 2^24
         raw[-1, :, :192], raw[-1, :, 192:208] = 0, 0x80
-    else:  # q = 15 (31), scale and min 63
-        raw[-1, :, 4:] = 0xFF
+    else:
+        at, byte = EXTREME[fmt]
+        raw[-1, :, at:] = byte
     for at in (a for a in SCALE_AT[fmt] if a is not None):
         d = rng.uniform(1e-3, 1e-1, raw.shape[:2]) * rng.choice([-1.0, 1.0], raw.shape[:2])
         raw[:, :, at:at + 2] = fp16_bytes(d).reshape(raw.shape[0], raw.shape[1], 2)
@@ -86,7 +93,8 @@ def quantize_act(x: torch.Tensor):
 
 def weight_terms(fmt: str, raw: np.ndarray):
     """Integer weights w [rows, nb, 32] (float64), dw and mw [rows, nb] (float32; mw None without a
-    min), read through the gguf package: dequantizing with d = 1 and no min gives w exactly."""
+    min) and Q2_K's integer mins per half [rows, nb, 2] (float64; else None), read through the gguf
+    package: dequantizing with d = 1 and no min gives w exactly."""
     t = Q[fmt]
     block, size = GGML_QUANT_SIZES[t]
     rows = raw.shape[0]
@@ -103,23 +111,30 @@ def weight_terms(fmt: str, raw: np.ndarray):
         return torch.from_numpy(dequantize(b.reshape(rows, -1), t).reshape(rows, -1, 32).copy())
 
     w = deq(1.0, 0.0 if m_at is not None else None).double()
-    mw = None
-    if fmt == "Q4_1":
+    mw = half_mins = None
+    if fmt in ("Q4_1", "Q5_1"):
         mw = field(m_at)
+    elif fmt == "Q2_K":  # mw = -dmin; m[h] read as -(0 * q - 1 * m[h])
+        mw = -per_32(field(m_at))
+        half_mins = (0.0 - deq(0.0, 1.0)[..., ::16]).double()
     elif m_at is not None:  # K-quants: mw = -(dmin * m), m read as -(0 * q - 1 * m)
         m = 0.0 - deq(0.0, 1.0)[..., 0]
         mw = -(per_32(field(m_at)) * m)
-    return w, per_32(field(d_at)), mw
+    return w, per_32(field(d_at)), mw, half_mins
 
 
 def reference_qgemm(fmt, raw, x, bias=None, residual=None) -> torch.Tensor:
-    w, dw, mw = weight_terms(fmt, raw)
+    w, dw, mw, half_mins = weight_terms(fmt, raw)
     q, da, sd = quantize_act(x)
     block_sums = torch.einsum("tbi,rbi->trb", q, w)  # exact: integers far below 2^53
+    if half_mins is not None:  # M = sum over halves of m[h] * s16[h], exact
+        min_sums = torch.einsum("tbh,rbh->trb", q.view(*q.shape[:2], 2, 16).sum(-1), half_mins)
     acc = torch.zeros(x.shape[0], raw.shape[0])
     for b in range(w.shape[1]):
         acc = fma32(block_sums[:, :, b].float(), dw[None, :, b] * da[:, b, None], acc)
-        if mw is not None:
+        if half_mins is not None:
+            acc = fma32(min_sums[:, :, b].float(), mw[None, :, b] * da[:, b, None], acc)
+        elif mw is not None:
             acc = fma32(mw[None, :, b].expand_as(acc), sd[:, b, None].expand_as(acc), acc)
     if bias is not None:
         acc = acc + bias
@@ -204,6 +219,24 @@ def test_levels_bit_identical_and_batch_invariant(fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_odd_shapes_equal_reference_at_every_level(fmt):
+    """Weights of 1, 17 and 33 rows (one unit row mostly padding; padded rows never reach the
+    output) and of one block or an odd number of blocks (super-blocks for K-quants), against
+    qgemm.h's arithmetic, bit for bit, at every level and for 1, 3 and 13 activation rows."""
+    per = GGML_QUANT_SIZES[Q[fmt]][0]
+    for rows, cols in ((1, per), (17, 3 * per), (33, 5 * per)):
+        raw = random_raw(fmt, rows, cols, seed=rows)
+        units = ext.repack(int(Q[fmt]), torch.from_numpy(raw), cols)
+        torch.manual_seed(rows)
+        for n in (1, 3, 13):
+            x = torch.randn(n, cols)
+            want = reference_qgemm(fmt, raw, x)
+            for level in LEVELS:
+                got = ext.qgemm(level, int(Q[fmt]), units, rows, x)
+                assert torch.equal(bits(got), bits(want)), f"{rows}x{cols}, {n} rows, level {level}"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_qgemm_within_activation_quantization_error(fmt):
     """Against float64 x @ W.T on the dequantized weight. Activations are rounded to int8 per
     32-element block, each off by at most half a step (amax / 127 / 2), so an output is off by at
@@ -228,8 +261,8 @@ def test_bad_inputs_are_refused_with_clear_messages():
         ext.repack(q4k, torch.zeros(16, 162, dtype=torch.uint8), 288)
     with pytest.raises(RuntimeError, match="raw rows hold 100 bytes, expected 288"):
         ext.repack(q4k, torch.zeros(16, 100, dtype=torch.uint8), COLS)
-    with pytest.raises(RuntimeError, match=r"weight format 6 has no kernel; supported GGML types: Q4_0 \(2\)"):
-        ext.repack(int(Q.Q5_0), torch.zeros(16, 22, dtype=torch.uint8), 32)
+    with pytest.raises(RuntimeError, match=r"weight format 17 has no kernel; supported GGML types: Q4_0 \(2\)"):
+        ext.repack(int(Q.IQ2_XS), torch.zeros(16, 74, dtype=torch.uint8), 256)
     with pytest.raises(RuntimeError, match="units were packed for another format than Q6_K"):
         ext.qgemm(0, int(Q.Q6_K), units, ROWS, torch.randn(1, COLS))
     with pytest.raises(RuntimeError, match="units hold a weight of 512 columns, not 256"):

@@ -15,7 +15,12 @@ const char* format_name(int format) {
   switch (format) {
     case FMT_Q4_0: return "Q4_0";
     case FMT_Q4_1: return "Q4_1";
+    case FMT_Q5_0: return "Q5_0";
+    case FMT_Q5_1: return "Q5_1";
     case FMT_Q8_0: return "Q8_0";
+    case FMT_Q2_K: return "Q2_K";
+    case FMT_Q3_K: return "Q3_K";
+    case FMT_IQ4_NL: return "IQ4_NL";
     case FMT_Q4_K: return "Q4_K";
     case FMT_Q5_K: return "Q5_K";
     case FMT_Q6_K: return "Q6_K";
@@ -27,10 +32,10 @@ namespace {
 
 // One row's 32-element block as GGUF stores it, its fields taken apart.
 struct RawBlock {
-  uint8_t q[kBlock];  // stored values: 4 bits, 5 (Q5_K), 6 (Q6_K), or int8 bits (Q8_0)
-  uint8_t sc[2];      // K-quants: the scale of each half (Q4_K, Q5_K: one 6-bit scale, twice)
+  uint8_t q[kBlock];  // stored values: 3 bits (Q3_K), 4 (IQ4_NL: kvalues' index), 5 (Q5_*), 6 (Q6_K), or int8 bits (Q8_0)
+  uint8_t sc[2];      // K-quants: the scale of each half (Q4_K, Q5_K: one 6-bit scale, twice; Q3_K, Q6_K: int8 bits)
   uint8_t m;          // Q4_K, Q5_K: the 6-bit min
-  uint16_t d, dm;     // fp16 scale (the super-block's for K-quants); Q4_1's min, K-quants' dmin
+  uint16_t d, dm;     // fp16 scale (the super-block's for K-quants); Q4_1's and Q5_1's min, K-quants' dmin
 };
 
 // Q4_K / Q5_K: the 6-bit scale and min of block j (0..7) from the super-block's 12 scale bytes:
@@ -55,14 +60,21 @@ void read_raw(int format, const uint8_t* row, int64_t b, RawBlock& out) {
   out.dm = 0;
   switch (format) {
     case FMT_Q4_0:
-    case FMT_Q4_1: {  // d, (m), qs[16]: element i in the low nibble of qs[i], 16 + i in the high one
-      const uint8_t* qs = blk + (format == FMT_Q4_1 ? 4 : 2);
+    case FMT_Q4_1:
+    case FMT_IQ4_NL:
+    case FMT_Q5_0:
+    case FMT_Q5_1: {  // d, (m), (Q5_*: qh[4]), qs[16]: element i in the low nibble of qs[i], 16 + i
+                      // in the high one; Q5_*: its fifth bit is bit i of qh as a little-endian uint32
+      const int at = has_min(format) ? 4 : 2;
+      const uint8_t* qs = blk + at + (has_fifth_bit(format) ? 4 : 0);
       for (int i = 0; i < 16; ++i) {
         out.q[i] = qs[i] & 15;
         out.q[16 + i] = qs[i] >> 4;
       }
+      if (has_fifth_bit(format))
+        for (int i = 0; i < kBlock; ++i) out.q[i] |= ((blk[at + i / 8] >> (i % 8)) & 1) << 4;
       out.d = load_half(blk);
-      if (format == FMT_Q4_1) out.dm = load_half(blk + 2);
+      if (has_min(format)) out.dm = load_half(blk + 2);
       return;
     }
     case FMT_Q8_0:  // d, qs[32]
@@ -80,6 +92,29 @@ void read_raw(int format, const uint8_t* row, int64_t b, RawBlock& out) {
       out.sc[1] = out.sc[0];
       out.d = load_half(blk);
       out.dm = load_half(blk + 2);
+      return;
+    }
+    case FMT_Q2_K: {  // scales[16] (scale | min << 4 per 16 elements), qs[64], d, dmin: low bits as Q3_K's
+      for (int i = 0; i < kBlock; ++i) out.q[i] = (blk[16 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
+      out.sc[0] = blk[2 * j];
+      out.sc[1] = blk[2 * j + 1];
+      out.d = load_half(blk + 80);
+      out.dm = load_half(blk + 82);
+      return;
+    }
+    case FMT_Q3_K: {  // hmask[32], qs[64], scales[12], d: element e = 32j + i of the super-block has low
+                      // bits (qs[32(j / 4) + i] >> 2(j % 4)) & 3 and bit 2 in bit j of hmask[i]
+      for (int i = 0; i < kBlock; ++i) {
+        const int low = (blk[32 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3;
+        out.q[i] = static_cast<uint8_t>(low | (((blk[i] >> j) & 1) << 2));
+      }
+      // The 6-bit scale k (of elements 16k ..): low nibble in byte k (k < 8) or the high nibble of
+      // byte k - 8, top two bits at bits 2(k / 4) of byte 8 + k % 4; stored less 32.
+      for (int h = 0; h < 2; ++h) {
+        const int k = 2 * j + h, s = blk[96 + k % 8] >> (4 * (k / 8)) & 15;
+        out.sc[h] = static_cast<uint8_t>((s | (((blk[104 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32);
+      }
+      out.d = load_half(blk + 108);
       return;
     }
     case FMT_Q6_K: {  // ql[128], qh[64], scales[16] int8, d: element e = 128c + l of the super-block
@@ -106,20 +141,35 @@ void write_unit_row(int format, const RawBlock& rb, int r, uint8_t* header, uint
     store_half(body + s + 2 * r, rb.d);
     return;
   }
+  if (format == FMT_Q3_K || format == FMT_Q2_K) {  // cr[k][r][e] bits 2j..2j+1 (and Q3_K's hb[r][e] bit j)
+    for (int g = 0; g < 8; ++g)
+      for (int e = 0; e < 4; ++e) {
+        body[64 * (g / 4) + 4 * r + e] |= (rb.q[4 * g + e] & 3) << (2 * (g % 4));
+        if (format == FMT_Q3_K) body[kQ3HighBits + 4 * r + e] |= ((rb.q[4 * g + e] >> 2) & 1) << g;
+      }
+    if (format == FMT_Q2_K) store_half(header + 32 + 2 * r, rb.dm);
+    body[s + r] = rb.sc[0];
+    body[s + 16 + r] = rb.sc[1];
+    store_half(header + 2 * r, rb.d);
+    return;
+  }
   for (int p = 0; p < 4; ++p)
     for (int e = 0; e < 4; ++e)
       body[(p * 16 + r) * 4 + e] = static_cast<uint8_t>((rb.q[4 * p + e] & 15) | ((rb.q[16 + 4 * p + e] & 15) << 4));
+  if (has_fifth_bit(format))  // hb[r][e] bit j: the fifth bit of element 4j + e
+    for (int j = 0; j < 8; ++j)
+      for (int e = 0; e < 4; ++e) body[kHighBits + 4 * r + e] |= ((rb.q[4 * j + e] >> 4) & 1) << j;
   switch (format) {
     case FMT_Q4_1:
+    case FMT_Q5_1:
       store_half(body + s + 32 + 2 * r, rb.dm);
       [[fallthrough]];
     case FMT_Q4_0:
+    case FMT_Q5_0:
+    case FMT_IQ4_NL:
       store_half(body + s + 2 * r, rb.d);
       return;
-    case FMT_Q5_K:  // hb[r][e] bit j: the fifth bit of element 4j + e
-      for (int j = 0; j < 8; ++j)
-        for (int e = 0; e < 4; ++e) body[kHighBits + 4 * r + e] |= ((rb.q[4 * j + e] >> 4) & 1) << j;
-      [[fallthrough]];
+    case FMT_Q5_K:
     case FMT_Q4_K:
       body[s + r] = rb.sc[0];
       body[s + 16 + r] = rb.m;
@@ -169,6 +219,7 @@ void dequantize_row(int format, const uint8_t* units, int64_t nb, int64_t r, flo
     for (int i = 0; i < kBlock; ++i) {
       float v = (rb.d * static_cast<float>(rb.sc[i / 16])) * static_cast<float>(rb.q[i]);
       if (has_min(format)) v = v + rb.m;
+      if (has_half_mins(format)) v = v + rb.dm * static_cast<float>(rb.mh[i / 16]);
       out[b * kBlock + i] = v;
     }
   }

@@ -62,6 +62,8 @@ void gemm_generic(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1, cons
             const int32_t dot = rb[r].sc[0] * half[0] + rb[r].sc[1] * half[1];
             float v = std::fma(static_cast<float>(dot), rb[r].d * a.d, acc[t][r]);
             if (has_min(F)) v = std::fma(rb[r].m, a.sd, v);
+            if (has_half_mins(F))
+              v = std::fma(static_cast<float>(rb[r].mh[0] * a.s16[0] + rb[r].mh[1] * a.s16[1]), rb[r].dm * a.d, v);
             acc[t][r] = v;
           }
         }
@@ -83,12 +85,15 @@ void gemm_generic(const uint8_t* units, int64_t nb, int64_t g0, int64_t g1, cons
 constexpr GemmEntry kGenericGemms[] = {
     {FMT_Q4_0, gemm_generic<FMT_Q4_0>}, {FMT_Q4_1, gemm_generic<FMT_Q4_1>}, {FMT_Q8_0, gemm_generic<FMT_Q8_0>},
     {FMT_Q4_K, gemm_generic<FMT_Q4_K>}, {FMT_Q5_K, gemm_generic<FMT_Q5_K>}, {FMT_Q6_K, gemm_generic<FMT_Q6_K>},
+    {FMT_Q5_0, gemm_generic<FMT_Q5_0>}, {FMT_Q5_1, gemm_generic<FMT_Q5_1>}, {FMT_IQ4_NL, gemm_generic<FMT_IQ4_NL>},
+    {FMT_Q2_K, gemm_generic<FMT_Q2_K>}, {FMT_Q3_K, gemm_generic<FMT_Q3_K>},
 };
+constexpr int kNumGenericGemms = sizeof(kGenericGemms) / sizeof(kGenericGemms[0]);
 
 }  // namespace
 
 const GemmKernels& gemm_kernels_generic() {
-  static const GemmKernels k = make_gemm_kernels(quantize_generic, kGenericGemms, 6);
+  static const GemmKernels k = make_gemm_kernels(quantize_generic, kGenericGemms, kNumGenericGemms);
   return k;
 }
 

@@ -33,6 +33,8 @@ inline VI bcst4(const int8_t* p) {
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
 }
+inline VI bcst16(const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI lookup16(VI table, VI v) { return _mm256_shuffle_epi8(table, v); }
 inline VI set1_epi8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
 inline VI set1_epi16(int v) { return _mm256_set1_epi16(static_cast<int16_t>(v)); }
 inline VI set1_epi32(int v) { return _mm256_set1_epi32(v); }
