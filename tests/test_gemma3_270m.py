@@ -21,6 +21,7 @@ import torch
 from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
+from specserve.spec.cross_vocab import CrossVocabularyProposer
 from tests.conftest import gemma3_270m_path
 
 pytestmark = pytest.mark.slow
@@ -92,3 +93,23 @@ def test_native_greedy_speculation_equals_plain(gemma3, spec):
                                                                                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _plain(gemma3, prompts)
     assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+
+
+CHAT = "<start_of_turn>user\nName three colours of the rainbow.<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_smollm2_drafts_for_gemma3_across_tokenizers(gemma3):
+    """The embedded SmolLM2-135M (49k tokens) drafting for Gemma 3 270M (262k) through text
+    (spec/cross_vocab.py): greedy output equals plain greedy token for token, past Gemma's BOS,
+    its turn markers (special tokens the draft only knows as text) and a byte-fallback emoji;
+    some drafts are accepted."""
+    prompts = [gemma3.tokenizer.encode(p) for p in (REPEATING[0], CHAT, "Rockets 🚀 and stars ✨ in a")]
+    assert 105 in prompts[1]  # <start_of_turn>, matched whole
+    plain = LLM(loaded=gemma3, max_num_seqs=3, **POOL).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(loaded=gemma3, max_num_seqs=3, **POOL,
+              speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 4})
+    assert isinstance(llm.engine.proposer, CrossVocabularyProposer)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = LLM.aggregate_spec_stats(outs)
+    assert stats.num_accepted > 0 and stats.num_drafted > 0
