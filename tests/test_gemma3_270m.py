@@ -21,6 +21,7 @@ import torch
 from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
+from specserve.spec.cross_vocab import CrossVocabularyProposer
 from tests.conftest import gemma3_270m_path
 
 pytestmark = pytest.mark.slow
@@ -92,3 +93,47 @@ def test_native_greedy_speculation_equals_plain(gemma3, spec):
                                                                                          use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _plain(gemma3, prompts)
     assert LLM.aggregate_spec_stats(outs).num_accepted > 0
+
+
+CHAT = "<start_of_turn>user\nName three colours of the rainbow.<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_smollm2_drafts_for_gemma3_across_tokenizers(gemma3):
+    """The embedded SmolLM2-135M (49k tokens) drafting for Gemma 3 270M (262k) through text
+    (spec/cross_vocab.py): greedy output equals plain greedy token for token, past Gemma's BOS,
+    its turn markers (special tokens the draft only knows as text) and characters Gemma spells
+    in bytes; some drafts are accepted."""
+    prompts = [gemma3.tokenizer.encode(p) for p in (REPEATING[0], CHAT, "Fraktur: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝔘𝔫")]
+    assert 105 in prompts[1]  # <start_of_turn>, matched whole
+    plain = LLM(loaded=gemma3, max_num_seqs=3, **POOL).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(loaded=gemma3, max_num_seqs=3, **POOL,
+              speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 4})
+    assert isinstance(llm.engine.proposer, CrossVocabularyProposer)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    stats = LLM.aggregate_spec_stats(outs)
+    assert stats.num_accepted > 0 and stats.num_drafted > 0
+
+
+def test_a_character_cut_mid_way_is_held_back_from_the_draft(gemma3):
+    """Gemma spells 𝔘 and 𝔫 (not in its vocabulary) as four byte tokens each; while the last byte
+    of 𝔫 is missing the committed text ends in U+FFFD (𝔘's bytes too: the byte-fallback decoder
+    replaces the whole run). The draft gets the text up to 𝔘, and its target tokens count only
+    past the held bytes, which they must reproduce."""
+    from specserve.config import EngineConfig
+
+    draft = load_model("default", max_model_len=64)
+    proposer = CrossVocabularyProposer(draft, gemma3, EngineConfig(max_model_len=64, max_num_seqs=1, num_kv_blocks=8))
+    ids = gemma3.tokenizer.encode("A hieroglyph 𝔘𝔫𝔦", add_special_tokens=True)
+    n = len(gemma3.tokenizer.encode("A hieroglyph ", add_special_tokens=True))
+    u, nu = ids[n:n + 4], ids[n + 4:n + 8]
+    assert all(gemma3.tokenizer.id_to_token(t).startswith("<0x") for t in u + nu)
+    assert proposer.context_text(ids[:n + 4]) == ("A hieroglyph 𝔘", 0)
+    for cut in (1, 2, 3):
+        assert proposer.context_text(ids[:n + 4 + cut]) == ("A hieroglyph 𝔘", cut)
+    assert proposer.draft_ids(ids[:n + 5]) == draft.tokenizer.encode("A hieroglyph 𝔘")
+    committed = ids[:n + 6]  # two bytes of 𝔫 committed
+    assert proposer.continuation_after_held(committed, 2, "𝔫 is", 8) == nu[2:] + gemma3.tokenizer.encode(
+        " is", add_special_tokens=False)
+    assert proposer.continuation_after_held(committed, 2, "𝔦", 8) == []  # another character: no draft
+    assert proposer.continuation_after_held(ids[:n + 4], 0, "𝔫", 8) == nu
