@@ -146,26 +146,28 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, tiny, monkeypatc
 
 def test_a_client_that_goes_away_is_logged_as_aborted(server, monkeypatch, caplog):
     """A non-streamed request whose client closes the connection after the engine produced
-    its first token: the request log says `finish abort` (not `finish None`)."""
+    its first token: the request log says `finish abort` (not `finish None`). A whole response
+    reads only its choice's finished output, so the handler has no tokens yet: `output 0 tok`."""
     caplog.set_level(logging.INFO, logger="specserve.server")
     gate = hold_after_one_step(server.llm.engine, monkeypatch)
-    stream, received = server.engine.stream, threading.Event()
+    held, calls, first_done = server.llm.engine.step, [], threading.Event()
 
-    async def recorded(handle):  # set once the first output is on its way to the handler
-        async for out in stream(handle):
-            yield out
-            received.set()
+    def counted():  # the second call starts once the first step's token is out
+        calls.append(1)
+        if len(calls) > 1:
+            first_done.set()
+        return held()
 
-    monkeypatch.setattr(server.engine, "stream", recorded)
+    monkeypatch.setattr(server.llm.engine, "step", counted)
     with raw_post(server, COMPLETIONS, b'{"prompt": "t5 t6", "max_tokens": 50, "ignore_eos": true}'):
-        assert received.wait(30)
+        assert first_done.wait(30)
     try:
         while not any("finish" in r.getMessage() and "choice(s)" in r.getMessage() for r in caplog.records):
             time.sleep(0.01)
     finally:
         gate.set()
     line = next(r.getMessage() for r in caplog.records if "choice(s)" in r.getMessage())
-    assert "output 1 tok, finish abort" in line, line
+    assert "output 0 tok, finish abort" in line, line
     assert server.wait_idle()["specserve_kv_blocks_used"] == 0
 
 
