@@ -8,7 +8,7 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.engine import cost_model as cost_module
-from specserve.engine.adaptive import PROBE_EVERY, AcceptanceEstimate, PlanRow, SpeculationPlanner
+from specserve.engine.adaptive import PROBE_EVERY, PROBE_MAX, AcceptanceEstimate, PlanRow, SpeculationPlanner
 from specserve.engine.cost_model import KNOTS, PassCostModel, PassShape
 from specserve.errors import InvalidParameterError
 from tests.test_engine_paged import alone, assert_all_blocks_free
@@ -180,6 +180,31 @@ def test_a_request_that_stopped_drafting_probes_again():
     depths = [p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0] for _ in range(2 * PROBE_EVERY)]
     assert depths.count(1) == 2 and set(depths) == {0, 1}
     assert sum(p.chosen) == 2 * PROBE_EVERY and p.chosen[1] == 2
+
+
+def test_probes_that_fail_back_off_and_an_accepted_one_resets_the_wait():
+    """Unaccepted probes come after 16, 32, 64, 128, 128 idle steps; an accepted probe brings the
+    wait back to PROBE_EVERY."""
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=8)
+    learned(p, "a", 8, 0)
+
+    def steps_to_next_probe() -> int:
+        for n in range(1, 2 * PROBE_MAX + 1):
+            if p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0]:
+                return n
+        raise AssertionError("no probe")
+
+    waits = []
+    for _ in range(5):
+        waits.append(steps_to_next_probe())
+        p.observe_verification("a", 1, 0)
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_MAX, PROBE_MAX]
+    assert steps_to_next_probe() == PROBE_MAX
+    p.observe_verification("a", 1, 1)  # accepted: the planner may draft on its own again
+    learned(p, "a", 8, 0)
+    assert steps_to_next_probe() == PROBE_EVERY
+    p.forget("a")
+    assert "a" not in p.probe_every and "a" not in p.probing
 
 
 def test_drafting_time_is_priced_and_trees_cost_their_nodes():

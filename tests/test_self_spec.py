@@ -259,7 +259,10 @@ def tiny_prompts_and_plain(tiny4):
 def test_tiny_greedy_self_spec_equals_plain(tiny4, tiny_prompts_and_plain, skip, k):
     _, loaded = tiny4
     prompts, expected = tiny_prompts_and_plain
+    # The identity draft accepts everything only when it reads the whole context.
     spec = {"method": "self_spec", "skip_layers": skip, "num_speculative_tokens": k}
+    if not skip:
+        spec["catch_up_window"] = None
     llm = LLM(loaded=loaded, max_num_seqs=8, block_size=4, max_model_len=128, speculative_config=spec)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -267,6 +270,35 @@ def test_tiny_greedy_self_spec_equals_plain(tiny4, tiny_prompts_and_plain, skip,
     assert stats.num_drafted > 0
     if not skip:  # the draft is the target: every draft is accepted
         assert stats.acceptance_rate == 1.0
+
+
+def test_a_windowed_catch_up_reads_only_the_last_tokens_and_stays_lossless(tiny4, tiny_prompts_and_plain):
+    """With a window of 4 every first draft restarts the draft cache from the prompt's last 4
+    tokens (the prompts are longer), so the draft cache holds at most window + k tokens more
+    than the committed ones since; output is plain greedy's."""
+    _, loaded = tiny4
+    prompts, expected = tiny_prompts_and_plain
+    spec = {"method": "self_spec", "skip_layers": [0], "num_speculative_tokens": 3, "catch_up_window": 4}
+    llm = LLM(loaded=loaded, max_num_seqs=8, block_size=4, max_model_len=128, speculative_config=spec)
+    proposer = llm.engine.proposer
+    assert proposer.catch_up_window == 4
+    bases = []
+    catch_up = proposer._catch_up
+
+    def recorded(r):
+        out = catch_up(r)
+        bases.append((proposer.base[r.request_id], len(r.token_ids), out))
+        return out
+
+    proposer._catch_up = recorded
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert any(base > 0 for base, _, _ in bases)
+    assert all(n - base <= 4 + 3 for base, n, out in bases if out is not None and out[0] == 0)
+    assert LLM.aggregate_spec_stats(outs).num_drafted > 0
+    assert proposer.pool.num_free_blocks == proposer.pool.num_blocks
+    with pytest.raises(InvalidParameterError, match="catch_up_window"):
+        LLM(loaded=loaded, max_model_len=128, speculative_config={"method": "self_spec", "catch_up_window": 0})
 
 
 def test_self_spec_sampling_has_the_target_distribution(tmp_path):

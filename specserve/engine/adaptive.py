@@ -16,7 +16,10 @@ already yields a token per request, so speculation switches itself off there; a 
 drafts stop being accepted stops drafting; both come back when the numbers change.
 
 A request that drafts nothing learns nothing, so one that has not drafted for PROBE_EVERY
-steps drafts one token (about 1/PROBE_EVERY of a token's price per step).
+steps drafts one token (about 1/PROBE_EVERY of a token's price per step). A probe that is not
+accepted doubles the request's wait before the next (up to PROBE_MAX steps), one that is
+accepted brings it back to PROBE_EVERY: a drafter whose probes cost a pass of their own (a draft
+model catching up) then costs a few probes per answer, not one every PROBE_EVERY steps.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ METHOD_DECAY = 0.995
 # learns from there.
 INITIAL_ACCEPTANCE = 0.5
 PROBE_EVERY = 16
+PROBE_MAX = 128
 # Drafting time per step is an exponential average per draft depth.
 PROPOSER_RATE = 0.2
 
@@ -113,6 +117,8 @@ class SpeculationPlanner:
         self.method = AcceptanceEstimate(METHOD_DECAY)
         self.requests: dict[str, AcceptanceEstimate] = {}
         self.idle_steps: dict[str, int] = {}
+        self.probe_every: dict[str, int] = {}  # a request's wait between probes, PROBE_EVERY..PROBE_MAX
+        self.probing: set[str] = set()  # requests whose last draft was a probe, until verified
         self.proposer_s: list[float | None] = [None] * (max_depth + 1)  # by the step's deepest draft
         self.chosen = [0] * (max_depth + 1)  # request-steps per chosen depth, for the figures
 
@@ -171,8 +177,9 @@ class SpeculationPlanner:
             if depths[i] == 0 and r.max_depth > 0:
                 idle = self.idle_steps.get(r.request_id, 0) + 1
                 self.idle_steps[r.request_id] = idle
-                if idle >= PROBE_EVERY:
+                if idle >= self.probe_every.get(r.request_id, PROBE_EVERY):
                     depths[i] = 1
+                    self.probing.add(r.request_id)
             if depths[i]:
                 self.idle_steps[r.request_id] = 0
             self.chosen[depths[i]] += 1
@@ -219,6 +226,10 @@ class SpeculationPlanner:
         nodes than its depth, or none), of which it accepted `num_accepted`."""
         if depth <= 0:
             return
+        if request_id in self.probing:
+            self.probing.discard(request_id)
+            wait = self.probe_every.get(request_id, PROBE_EVERY)
+            self.probe_every[request_id] = PROBE_EVERY if num_accepted else min(PROBE_MAX, 2 * wait)
         if num_nodes is not None:
             # Below 1 where a floor leaves trees shallower than asked, or empty.
             ratio = min(self.tokens_per_depth, num_nodes / depth)
@@ -238,3 +249,5 @@ class SpeculationPlanner:
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self.idle_steps.pop(request_id, None)
+        self.probe_every.pop(request_id, None)
+        self.probing.discard(request_id)

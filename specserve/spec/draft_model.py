@@ -50,6 +50,13 @@ class DraftModelProposer(Proposer):
     """
 
     name = "draft_model"
+    # None: the draft cache always catches up on every committed token. A number W: when the
+    # cache is more than W tokens behind (drafting was off for a while, or the prompt was never
+    # drafted from), it restarts from the last W committed tokens instead, renumbered from
+    # position 0 (RoPE scores depend on relative positions only, so that is the model reading
+    # those W tokens alone). Drafts are proposals, so the output is unchanged; what is bounded
+    # is the price of a probe after a long pause.
+    catch_up_window: int | None = None
 
     def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig, same_vocabulary: bool = True):
         """same_vocabulary=False: the caller maps tokens across vocabularies itself (cross_vocab.py)."""
@@ -72,6 +79,9 @@ class DraftModelProposer(Proposer):
         # in self.kv once the pass feeding them has run). Comparing them with the committed
         # tokens tells how much survives verification: the rest is rolled back.
         self.cached: dict[str, list[int]] = {}
+        # Where each request's draft cache starts in its token sequence (0 unless restarted
+        # from a window): the cache holds token_ids[base:] at positions 0, 1, ...
+        self.base: dict[str, int] = {}
 
     @property
     def pool(self) -> BlockPool:
@@ -81,21 +91,28 @@ class DraftModelProposer(Proposer):
         if request_id not in self.kv:
             self.kv.get_computed_blocks(request_id, prompt_token_ids)  # no prefix cache: nothing computed
             self.cached[request_id] = []
+            self.base[request_id] = 0
 
     def remove_request(self, request_id: str) -> None:
         if request_id in self.kv:
             self.kv.free(request_id)
             del self.cached[request_id]
+            self.base.pop(request_id, None)
 
     def _catch_up(self, r: SpecRequest) -> tuple[int, list[int]] | None:
         """Roll the request's draft cache back to what verification confirmed and reserve the
         slots of this whole proposal: the tokens committed since the last one (the whole prompt
         the first time), then k - 1 drafts (the last draft is never fed). -> (start, tokens to
         feed first), or None when the pool is short of blocks."""
-        rid, tokens = r.request_id, list(r.token_ids)
-        keep = min(_common_prefix(tokens, self.cached[rid]), len(tokens) - 1)  # always feed the last token
+        rid, base = r.request_id, self.base[r.request_id]
+        tokens = list(r.token_ids)
+        keep = min(_common_prefix(tokens[base:], self.cached[rid]), len(tokens) - base - 1)  # always feed the last token
+        window = self.catch_up_window
+        if window is not None and len(tokens) - base - keep > window:
+            base = self.base[rid] = len(tokens) - window
+            keep = 0
         self.kv.rollback(rid, keep)
-        if not self.kv.allocate_slots(rid, len(tokens) - keep + r.num_speculative_tokens - 1):
+        if not self.kv.allocate_slots(rid, len(tokens) - base - keep + r.num_speculative_tokens - 1):
             # The draft pool is as large as the target's, but the target shares prompt blocks
             # between requests (prefix caching) and the draft does not, so it can run out while
             # the target runs on. Drafting is optional: this request takes a plain decode step,
@@ -103,9 +120,10 @@ class DraftModelProposer(Proposer):
             # could all stay short of it until one finishes; given back, the others can draft.
             self.kv.rollback(rid, 0)
             self.cached[rid] = []
+            self.base[rid] = 0
             return None
-        self.cached[rid] = tokens
-        return keep, tokens[keep:]
+        self.cached[rid] = tokens[base:]
+        return keep, tokens[base + keep:]
 
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftProposal:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.config import EngineConfig
+from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
 from specserve.spec.draft_model import DraftModelProposer
 from specserve.spec.layer_set import check_skip_layers
@@ -29,9 +30,11 @@ class SelfSpecProposer(DraftModelProposer):
 
     name = "self_spec"
 
-    def __init__(self, target: LoadedModel, skip_layers: Sequence[int], engine: EngineConfig):
+    def __init__(self, target: LoadedModel, skip_layers: Sequence[int], engine: EngineConfig,
+                 catch_up_window: int | None = None):
         self.skip_layers = check_skip_layers(skip_layers, target.config.num_layers, "skip_layers")
         super().__init__(layer_view(target, self.skip_layers), target, engine)
+        self.catch_up_window = catch_up_window
 
 
 def layer_view(target: LoadedModel, skip_layers: Sequence[int]) -> LoadedModel:
@@ -46,19 +49,27 @@ def layer_view(target: LoadedModel, skip_layers: Sequence[int]) -> LoadedModel:
 
 @dataclass(frozen=True, slots=True)
 class SelfSpecOptions:
-    """speculative_config's self_spec key: the target's decoder layers its draft skips; None: the
-    model's layer set (spec/layer_set.py: next to the model, or shipped for the embedded one)."""
+    """speculative_config's self_spec keys. skip_layers: the target's decoder layers its draft
+    skips; None: the model's layer set (spec/layer_set.py: next to the model, or shipped for the
+    embedded one). catch_up_window: when drafting resumes more than this many tokens behind (the
+    planner kept drafts off for a while, or the prompt), the draft reads only the last this-many
+    tokens (DraftModelProposer.catch_up_window); None catches up on everything, which costs a pass
+    of the kept layers over the whole prompt the first time and over every pause after."""
 
     skip_layers: tuple[int, ...] | None = None
+    catch_up_window: int | None = 16
 
     def __post_init__(self) -> None:
         if self.skip_layers is not None:
             object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, None, "skip_layers"))
+        w = self.catch_up_window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise InvalidParameterError("speculative_config.catch_up_window", w, "must be an integer >= 1 or null")
 
 
 def _build(options: SelfSpecOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> SelfSpecProposer:
     from specserve.spec.layer_set import resolve_skip_layers
-    return SelfSpecProposer(target, resolve_skip_layers(options.skip_layers, target), engine)
+    return SelfSpecProposer(target, resolve_skip_layers(options.skip_layers, target), engine, options.catch_up_window)
 
 
 METHOD = MethodSpec("self_spec", SelfSpecOptions, _build, auto_max_k=6)
