@@ -88,5 +88,5 @@ def test_drafts_off_cost_no_proposer_work_and_catch_up_when_on(tiny, tmp_path, m
         # One pass catches the draft up on the prompt, the prefill's token and every token
         # committed while off; self_spec on its last catch_up_window of them only.
         behind = len(prompt) + 1 + OFF_STEPS
-        window = getattr(llm.engine.proposer, "catch_up_window", None)
+        window = llm.engine.proposer.catch_up_window
         assert fed[0] == (behind if window is None else min(behind, window))

@@ -50,16 +50,17 @@ class DraftModelProposer(Proposer):
     """
 
     name = "draft_model"
-    # None: the draft cache always catches up on every committed token. A number W: when the
-    # cache is more than W tokens behind (drafting was off for a while, or the prompt was never
-    # drafted from), it restarts from the last W committed tokens instead, renumbered from
-    # position 0 (RoPE scores depend on relative positions only, so that is the model reading
-    # those W tokens alone). Drafts are proposals, so the output is unchanged; what is bounded
-    # is the price of a probe after a long pause.
-    catch_up_window: int | None = None
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig, same_vocabulary: bool = True):
-        """same_vocabulary=False: the caller maps tokens across vocabularies itself (cross_vocab.py)."""
+    def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig, same_vocabulary: bool = True,
+                 catch_up_window: int | None = None):
+        """same_vocabulary=False: the caller maps tokens across vocabularies itself (cross_vocab.py).
+        catch_up_window None: the draft cache always catches up on every committed token. A
+        number W: when the cache is more than W tokens behind (drafting was off for a while, or
+        the prompt was never drafted from), it restarts from the last W committed tokens instead,
+        renumbered from position 0 (RoPE scores depend on relative positions only, so that is the
+        model reading those W tokens alone). Drafts are proposals, so the output is unchanged;
+        what is bounded is the price of a probe after a long pause."""
+        self.catch_up_window = catch_up_window
         if same_vocabulary and (why := vocabulary_difference(draft, target)):
             raise InvalidParameterError("speculative_config.model", str(draft.path),
                                         f"{why}; a draft model must use the target's tokenizer here")

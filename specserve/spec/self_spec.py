@@ -33,8 +33,7 @@ class SelfSpecProposer(DraftModelProposer):
     def __init__(self, target: LoadedModel, skip_layers: Sequence[int], engine: EngineConfig,
                  catch_up_window: int | None = None):
         self.skip_layers = check_skip_layers(skip_layers, target.config.num_layers, "skip_layers")
-        super().__init__(layer_view(target, self.skip_layers), target, engine)
-        self.catch_up_window = catch_up_window
+        super().__init__(layer_view(target, self.skip_layers), target, engine, catch_up_window=catch_up_window)
 
 
 def layer_view(target: LoadedModel, skip_layers: Sequence[int]) -> LoadedModel:
