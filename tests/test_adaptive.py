@@ -308,6 +308,31 @@ def test_drafting_time_between_and_past_measured_depths():
     assert p.drafting_s(1) == pytest.approx(0.5e-3)
 
 
+def test_a_probes_drafting_time_is_not_what_drafting_costs(tiny, monkeypatch):
+    """A probe catches up on every token since the request last drafted: the step it drafts
+    for teaches the pass cost, not the drafting time (None), which normal drafting steps set."""
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
+    p.observe_step(PassShape(2), 5e-3, None, 1)
+    assert p.proposer_s[1] is None and p.drafting_s(1) == 0.0
+    p.observe_step(PassShape(2), 5e-3, 1e-3, 1)
+    p.observe_step(PassShape(2), 5e-3, None, 1)
+    assert p.drafting_s(1) == pytest.approx(1e-3)
+    # In the engine: the step verifying a probe's draft reports None.
+    llm = tiny_engine(tiny, linear_cost(1e-3, 1e-3))
+    engine = llm.engine
+    seen = []
+    orig = engine.planner.observe_step
+    monkeypatch.setattr(engine.planner, "observe_step",
+                        lambda shape, pass_s, drafting_s, deepest: (seen.append((drafting_s, deepest)),
+                                                                    orig(shape, pass_s, drafting_s, deepest)))
+    engine.planner.requests["r"] = AcceptanceEstimate(0.9, [50.0], [0.0])  # drafts never accepted: probes only
+    engine.add_request("r", tiny_prompts(3)[2], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    probed = [d for d, deepest in seen if deepest > 0]
+    assert probed and all(d is None for d in probed)
+
+
 def test_steps_take_exactly_the_drafts_the_planner_chose(tiny, monkeypatch):
     """Drafts live on the request: where drafting does not pay, the planner chooses no drafts
     or a probe's one, and each step takes exactly the nodes drafted (never the cap's 8 slots,

@@ -185,6 +185,42 @@ def test_norm_before_residual_and_a_padded_vocabulary():
     assert rel(out, want_out) < MAX_REL and rel(logits, want_logits) < MAX_REL
 
 
+@pytest.mark.parametrize("level", [LEVELS[0], LEVELS[-1]], ids=["lowest", "highest"])
+def test_last_only_returns_the_full_calls_last_rows_and_writes_the_same_cache(pair, level):
+    """A catch-up with last_only (each sequence's last token alone goes past its key and value)
+    gives the full call's rows at each sequence's end, bit for bit, and the same cache; then a
+    tree depth over either cache gives the same bits. With kv_start, and one sequence of a
+    single token."""
+    drafter, _ = pair
+    drafter.level = level
+    g = torch.Generator().manual_seed(11)
+    seqs, starts = [(2, 6), (3, 1)], torch.tensor([2, 3])
+    n = sum(c for _, c in seqs)
+    embeds, feature = torch.randn(n, CFG.hidden_size, generator=g), torch.randn(n, 3 * CFG.target_hidden_size,
+                                                                             generator=g)
+    fb = flat_batch([[0] * c for _, c in seqs], TABLES, BLOCK, [s for s, _ in seqs])
+    args = (fb.positions, fb.slots)
+    meta = (BLOCK, fb.q_start, fb.block_table, fb.prefix_len, starts)
+    full_pool, last_pool = nan_pool(drafter), nan_pool(drafter)
+    out, logits = drafter.step(embeds, feature, *args, *full_pool, *meta)
+    got_out, got_logits = drafter.step(embeds, feature, *args, *last_pool, *meta, last_only=True)
+    ends = fb.q_start[1:] - 1
+    assert got_out.shape == (2, CFG.hidden_size) and got_logits.shape == (2, 96)
+    assert torch.equal(got_out, out[ends]) and torch.equal(got_logits, logits[ends])
+    for a, b in zip(full_pool, last_pool):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    tree = flat_batch([[0, 0], [0, 0]], TABLES, BLOCK, [8, 4], [torch.eye(2, dtype=torch.bool)] * 2)
+    feat = torch.randn(4, CFG.hidden_size, generator=g)
+    depth = [drafter.step(embeds[:4].contiguous(), feat, tree.positions, tree.slots, *pool, BLOCK, tree.q_start,
+                          tree.block_table, tree.prefix_len, starts, tree.tree_row, tree.tree_start,
+                          tree.tree_size, tree.tree_mask) for pool in (full_pool, last_pool)]
+    assert torch.equal(depth[0][0], depth[1][0]) and torch.equal(depth[0][1], depth[1][1])
+    with pytest.raises(RuntimeError, match="last_only takes no tree"):
+        drafter.step(embeds[:4].contiguous(), feat, tree.positions, tree.slots, *last_pool, BLOCK, tree.q_start,
+                     tree.block_table, tree.prefix_len, starts, tree.tree_row, tree.tree_start, tree.tree_size,
+                     tree.tree_mask, last_only=True)
+
+
 @pytest.mark.parametrize("level", LEVELS, ids=[Isa(lvl).label for lvl in LEVELS])
 def test_kv_start_hides_the_earlier_slots_in_the_kernel(level):
     """kv_start 4 over the blocks [2, 0, 3] is the same attention, bit for bit, as no kv_start

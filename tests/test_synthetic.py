@@ -56,3 +56,15 @@ def test_llama_bench_json_becomes_ms_per_pass(tmp_path):
     broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
     with pytest.raises(RuntimeError, match="llama-bench failed \\(3\\): oops"):
         llama_bench_ms(str(broken), tmp_path / "m.gguf", 100, 1, 2)
+
+
+def test_a_llama_bench_that_crashes_with_repacked_weights_is_measured_without_them(tmp_path, capsys):
+    """This Xeon's llama.cpp build crashes (SIGSEGV) in its AMX repacked-weight path on any
+    batch of more than one token: the measurement is taken again with --repack 0, said once."""
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *'--repack 0'*) echo '[{\"avg_ts\": 250.0}]';; *) kill -SEGV $$;; esac\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert llama_bench_ms(str(fake), tmp_path / "m.gguf", 100, 1, 2) == pytest.approx(4.0)
+    assert llama_bench_ms(str(fake), tmp_path / "m.gguf", 100, 5, 2) == pytest.approx(20.0)
+    assert capsys.readouterr().err.count("measured with --repack 0") == 1

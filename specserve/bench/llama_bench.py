@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch
 
 # Token-generation passes llama-bench times per repetition at T = 1.
 TG_TOKENS = 32
+_SEGFAULT = (-11, 139)  # killed by SIGSEGV (subprocess's code, a shell's)
+_NO_REPACK: set[str] = set()  # executables that crashed with their repacked weights
 
 
 def find_llama_bench(explicit: str | None = None) -> str | None:
@@ -36,6 +39,15 @@ def llama_bench_ms(exe: str, model: Path, context: int, tokens: int, threads: in
         shape = ["-p", str(tokens), "-n", "0", "-ub", str(max(tokens, 1)), "-b", str(max(tokens, 1))]
     cmd = [exe, "-m", str(model), "-t", str(threads), "-d", str(context), "-r", str(reps), "-o", "json", *shape]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode in _SEGFAULT:
+        # llama.cpp's repacked weights (its AMX path on Xeons that have AMX) crash on any batch of
+        # more than one token, the context's prefill included: measure it on its plain
+        # kernels, and say so once.
+        if exe not in _NO_REPACK:
+            _NO_REPACK.add(exe)
+            print(f"# llama-bench crashed (signal 11) in its repacked-weight path; measured with --repack 0",
+                  file=sys.stderr, flush=True)
+        out = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-400:]}")
     rows = json.loads(out.stdout)

@@ -240,9 +240,13 @@ class SpeculationPlanner:
         est.observe(depth, num_accepted)
         self.method.observe(depth, num_accepted)
 
-    def observe_step(self, shape: PassShape, pass_s: float, drafting_s: float, deepest: int) -> None:
+    def observe_step(self, shape: PassShape, pass_s: float, drafting_s: float | None, deepest: int) -> None:
+        """A pass of `shape` took pass_s; the drafting for it drafting_s (None: a probe's, which
+        caught up on every token since the request last drafted, so not what a drafting step
+        costs: left out of the average, or drafting after a long pause would look dearer with
+        every pause, and pauses grow longer)."""
         self.cost.observe(shape, pass_s)
-        if deepest > 0:
+        if deepest > 0 and drafting_s is not None:
             old = self.proposer_s[deepest]
             self.proposer_s[deepest] = drafting_s if old is None else old + PROPOSER_RATE * (drafting_s - old)
 

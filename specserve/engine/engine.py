@@ -123,6 +123,7 @@ class LLMEngine:
             self.planner = SpeculationPlanner(cost, self.num_speculative_tokens, tokens_per_depth=width)
         self.num_steps = 0
         self._drafting_s = 0.0  # seconds the last proposal took (the next pass verifies its drafts)
+        self._probe_drafted = False  # whether that proposal drafted a planner's probe
 
     @property
     def cost(self) -> PassCostModel | None:
@@ -364,7 +365,10 @@ class LLMEngine:
                 # The drafting that made this step's drafts, by the deepest asked for: a floor
                 # may have left every tree empty, and that drafting cost time all the same.
                 drafted = [max(t.max_depth, s.request.draft_depth if s.decode else 0) for s, t in zip(scheduled, trees)]
-                self.planner.observe_step(shape, t2 - t1, self._drafting_s if any(drafted) else 0.0, max(drafted))
+                # A probe's drafting caught up on everything since the request last drafted:
+                # not what a drafting step costs, so it does not teach the planner that.
+                drafting = None if self._probe_drafted else self._drafting_s if any(drafted) else 0.0
+                self.planner.observe_step(shape, t2 - t1, drafting, max(drafted))
             else:
                 self.cost.observe(shape, t2 - t1)
         decoding = [s.decode for s in scheduled]
@@ -399,7 +403,7 @@ class LLMEngine:
         the next pass (estimated as this step's, its drafts left out). Chains come back as
         one-path trees. Proposers start tracking a request on its first proposal. A batch the
         proposer fails on is drafted again request by request, failing only the one it fails for."""
-        self._drafting_s = 0.0
+        self._drafting_s, self._probe_drafted = 0.0, False
         mml = self.config.max_model_len
         rows = [s for s in scheduled if s.samples and not s.request.finished and s.request.num_speculative_tokens > 0]
         if not rows:
@@ -437,6 +441,7 @@ class LLMEngine:
             trees = [self._guarded(self.requests[sr.request_id], self._draft, [sr]) for sr in batch]
             trees = [t[0] if t else None for t in trees]
         self._drafting_s = time.perf_counter() - t0
+        self._probe_drafted = self.planner is not None and any(sr.request_id in self.planner.probing for sr in batch)
         for sr, tree in zip(batch, trees):
             r = self.requests[sr.request_id]
             r.spec.proposer_time_s += self._drafting_s / len(batch)

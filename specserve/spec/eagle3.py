@@ -118,7 +118,8 @@ class Eagle3Proposer(FeatureTreeProposer):
     # ---- 1. catch-up -------------------------------------------------------------------------
 
     def _catch_up(self, rows: list[_Row], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass over every row's new positions, causal -> output and logits at each L."""
+        """One pass over every row's new positions, causal -> output [B, H] and logits [B, Vd] at
+        each L."""
         d = self.drafter
         # The pass's metadata in numpy (a handful of tiny arrays: each torch op would cost more
         # than its work), handed over without copies.
@@ -134,12 +135,9 @@ class Eagle3Proposer(FeatureTreeProposer):
                       torch.from_numpy(np.concatenate(([0], ends))), tables, self.block_size,
                       torch.from_numpy(positions + 1),
                       torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))))
-        out, logits = d.step(d.embed(tokens.to(d.device)), states.to(d.device, torch.float32), p, self.k_rows,
-                             self.v_rows)
-        if len(rows) == 1:
-            return out[-1:], logits[-1:]
-        ends_t = torch.from_numpy(ends - 1).to(out.device)
-        return out.index_select(0, ends_t), logits.index_select(0, ends_t)
+        # Only each row's L goes past its key and value: the others only fill the cache.
+        return d.step(d.embed(tokens.to(d.device)), states.to(d.device, torch.float32), p, self.k_rows, self.v_rows,
+                      last_only=True)
 
     # ---- 2. and 3. growth and selection -------------------------------------------------------
 

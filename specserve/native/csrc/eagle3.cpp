@@ -60,7 +60,10 @@ class NativeEagle3 {
   }
 
   // One drafting depth for n tokens -> (out float32 [n, hidden]: the next depth's feature,
-  // logits float32 [n, vocab] over the draft vocabulary).
+  // logits float32 [n, vocab] over the draft vocabulary). last_only: only each sequence's last
+  // token goes on past its key and value (a catch-up, where the other tokens only fill the
+  // cache: a one-layer drafter needs nothing else from them) -> out [num_seqs, hidden], logits
+  // [num_seqs, vocab], each row's bits those of the full call's (every kernel is row-wise).
   // embeds: float32 [n, hidden] token embeddings; feature: float32 [n, hidden], or [n, 3 *
   // target_hidden] the target's captured states (fc applied first). k_cache, v_cache: the
   // drafter's [1, rows, kv_heads, head_dim] float16; the rest is layer_ops.h's AttentionBatch
@@ -70,12 +73,12 @@ class NativeEagle3 {
       torch::Tensor k_cache, torch::Tensor v_cache, int64_t block_size, torch::Tensor q_start,
       torch::Tensor block_table, torch::Tensor prefix_len, c10::optional<torch::Tensor> kv_start,
       c10::optional<torch::Tensor> tree_row, c10::optional<torch::Tensor> tree_start,
-      c10::optional<torch::Tensor> tree_size, c10::optional<torch::Tensor> tree_mask) {
+      c10::optional<torch::Tensor> tree_size, c10::optional<torch::Tensor> tree_mask, bool last_only) {
     const int lv = static_cast<int>(level);
     const int64_t H = hidden_;
     TORCH_CHECK(embeds.dtype() == torch::kFloat32 && embeds.dim() == 2 && embeds.size(1) == H && embeds.is_contiguous(),
                 "embeds must be contiguous float32 [n, ", H, "], got ", embeds.dtype(), " ", embeds.sizes());
-    const int64_t n = embeds.size(0);
+    int64_t n = embeds.size(0);
     const bool fuse = fc_.has_value() && feature.dim() == 2 && feature.size(1) == 3 * target_hidden_;
     TORCH_CHECK(feature.dtype() == torch::kFloat32 && feature.dim() == 2 && feature.size(0) == n &&
                     (feature.size(1) == H || fuse) && feature.is_contiguous(),
@@ -134,6 +137,34 @@ class NativeEagle3 {
       round_to_half(lv, qkv + i * qkv_w + qd, kvd, kc + slot[i] * kvd);
       round_to_half(lv, qkv + i * qkv_w + qd + kvd, kvd, vc + slot[i] * kvd);
     }
+    std::vector<int64_t> last_q_start, last_prefix, last_pos;
+    if (last_only) {
+      // Compact each sequence's last token into row s (its source row q_start[s + 1] - 1 >= s,
+      // and rows above s are still untouched when row s is written) and give the attention one
+      // query per sequence.
+      TORCH_CHECK(batch.tree_row == nullptr, "last_only takes no tree");
+      const int64_t m = batch.num_seqs;
+      last_q_start.resize(m + 1);
+      last_prefix.resize(m);
+      last_pos.resize(m);
+      for (int64_t s = 0; s < m; ++s) {
+        const int64_t src = batch.q_start[s + 1] - 1;
+        TORCH_CHECK(src >= batch.q_start[s], "last_only: sequence ", s, " has no token");
+        last_q_start[s] = s;
+        last_prefix[s] = batch.prefix_len[src];
+        last_pos[s] = pos[src];
+        if (src != s) {
+          std::copy(qkv + src * qkv_w, qkv + (src + 1) * qkv_w, qkv + s * qkv_w);
+          std::copy(res + src * H, res + (src + 1) * H, res + s * H);
+        }
+      }
+      last_q_start[m] = m;
+      batch.q_start = last_q_start.data();
+      batch.prefix_len = last_prefix.data();
+      batch.positions = last_pos.data();
+      n = m;
+      out = out.narrow(0, 0, m);
+    }
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     paged_attention(lv, qkv, qkv_w, kc, vc, block_size, heads_, kv_heads_, head_dim_, scale, 0.0f, batch, attn, qd);
     quantize_rows(lv, attn, n, qd, qd, act);
@@ -190,7 +221,7 @@ void register_eagle3(pybind11::module_& m) {
            py::arg("positions"), py::arg("slots"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_size"),
            py::arg("q_start"), py::arg("block_table"), py::arg("prefix_len"), py::arg("kv_start") = py::none(),
            py::arg("tree_row") = py::none(), py::arg("tree_start") = py::none(), py::arg("tree_size") = py::none(),
-           py::arg("tree_mask") = py::none(), py::call_guard<py::gil_scoped_release>());
+           py::arg("tree_mask") = py::none(), py::arg("last_only") = false, py::call_guard<py::gil_scoped_release>());
 }
 
 }  // namespace specserve

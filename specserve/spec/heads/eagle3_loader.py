@@ -127,16 +127,21 @@ class Eagle3Drafter:
         return self.embed_tokens(ids).float()
 
     def step(self, embeds: torch.Tensor, feature: torch.Tensor, p: DraftPass, k_rows: torch.Tensor,
-             v_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafting pass (module note) -> (out [N, H], logits [N, Vd])."""
+             v_rows: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafting pass (module note) -> (out [N, H], logits [N, Vd]); last_only (a
+        catch-up): every row writes its key and value, and only each sequence's last row is
+        returned -> out [B, H], logits [B, Vd] (the native layer computes nothing more for the
+        others)."""
         if self.native is not None:
             return self.native.step(embeds.contiguous(), feature.contiguous(), p.positions, p.write_rows, k_rows,
                                     v_rows, p.block_size, p.q_start, p.block_table, p.prefix_len, p.kv_start,
-                                    p.tree_row, p.tree_start, p.tree_size, p.tree_mask)
+                                    p.tree_row, p.tree_start, p.tree_size, p.tree_mask, last_only=last_only)
         head = self.head
         if feature.shape[-1] == 3 * self.config.target_hidden_size:  # the target's states: depth 1
             feature = head.fuse(feature)
         out = head(embeds, feature, p.positions.to(feature.device), p, _FlatDraftAttention(k_rows, v_rows))
+        if last_only:
+            out = out.index_select(0, (p.q_start[1:] - 1).to(out.device))
         return out, head.logits(out)
 
 

@@ -25,10 +25,7 @@ class _Request:
     computed: int  # entries exist for positions [first, computed)
     # Target features not yet in the cache, for positions computed, computed + 1, ... (rows in order)
     pending: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def num_pending(self) -> int:
-        return sum(len(p) for p in self.pending)
+    num_pending: int = 0  # their rows (kept, not summed: drafts may stay off for hundreds of steps)
 
 
 class EagleKV:
@@ -63,6 +60,7 @@ class EagleKV:
             r = self.requests[request_id] = _Request(first=start, computed=start)
         if len(hidden):
             r.pending.append(hidden)
+            r.num_pending += len(hidden)
 
     def remove(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:
@@ -87,7 +85,7 @@ class EagleKV:
         """The catch-up pass ran: positions up to num_tokens - 2 have entries; the tree slots
         are given back."""
         r = self.requests[request_id]
-        r.computed, r.pending = num_tokens - 1, []
+        r.computed, r.pending, r.num_pending = num_tokens - 1, [], 0
         self.kv.commit(request_id, range(r.computed), r.computed)
         self.kv.rollback(request_id, r.computed)
 

@@ -108,8 +108,11 @@ class NativeEagle3Drafter:
              block_table: torch.Tensor, prefix_len: torch.Tensor, kv_start: torch.Tensor | None = None,
              tree_row: torch.Tensor | None = None, tree_start: torch.Tensor | None = None,
              tree_size: torch.Tensor | None = None,
-             tree_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             tree_mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafting depth -> (out float32 [n, H], logits float32 [n, Vd]); the GIL is released.
+        last_only (no tree): every token writes its key and value, and only each sequence's last
+        one goes on -> out [num_seqs, H], logits [num_seqs, Vd], the same bits as those rows of
+        the full call.
 
         embeds [n, H], feature [n, H] or [n, 3 Ht] (contiguous float32); positions, slots,
         prefix_len int64 [n]: each token's RoPE position, the cache row its key and value go to,
@@ -120,7 +123,7 @@ class NativeEagle3Drafter:
         uint8: a token tree's ancestors (FlatBatch's fields)."""
         return self.core.forward(self.level, embeds, feature, positions, slots, k_cache, v_cache, block_size,
                                  q_start, block_table, prefix_len, kv_start, tree_row, tree_start, tree_size,
-                                 tree_mask)
+                                 tree_mask, last_only)
 
 
 def _padded_rows(b: Blocks) -> Blocks:
