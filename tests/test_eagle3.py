@@ -18,7 +18,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.spec.eagle3 import Eagle3Proposer
 from specserve.spec.heads.eagle3 import Eagle3Head
 from specserve.spec.heads.eagle3_config import Eagle3Config
-from specserve.spec.heads.eagle3_loader import Eagle3Drafter
+from specserve.spec.heads.eagle3_loader import DRAFTER_FORMATS, Eagle3Drafter
 from tests.helpers import ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -183,8 +183,14 @@ def test_the_shipped_drafter_drafts_losslessly_and_is_accepted(smollm_native):
         "Explain how a bicycle works.", "List three uses of water.")]
     params = SamplingParams(temperature=0, max_tokens=32)
     plain, _ = outputs(LLM(loaded=smollm_native, max_num_seqs=2), prompts, params)
-    llm = LLM(loaded=smollm_native, max_num_seqs=2, speculative_config={
-        "method": "eagle3", "model": "default", "num_speculative_tokens": 3})
-    assert llm.engine.proposer.drafter.native is not None
-    got, stats = outputs(llm, prompts, params)
-    assert got == plain and stats.num_accepted > 0
+    sizes = {}
+    for quantization in ("q8_0", "q4_0"):  # the drafter's matrices in either format: only proposals
+        llm = LLM(loaded=smollm_native, max_num_seqs=2, speculative_config={
+            "method": "eagle3", "model": "default", "num_speculative_tokens": 3, "quantization": quantization})
+        drafter = llm.engine.proposer.drafter.native
+        assert drafter is not None and {m.format for m in drafter.matrices.values()} == {
+            int(DRAFTER_FORMATS[quantization])}
+        got, stats = outputs(llm, prompts, params)
+        assert got == plain and stats.num_accepted > 0
+        sizes[quantization] = drafter.weight_bytes
+    assert sizes["q4_0"] < 0.6 * sizes["q8_0"]  # about half the bytes a drafting depth reads

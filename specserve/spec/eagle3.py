@@ -32,7 +32,8 @@ from specserve.drafts.tree import DraftTree
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
 from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, TreeCandidates, path_floor
-from specserve.spec.heads.eagle3_loader import DraftPass, Eagle3Drafter, load_eagle3_drafter
+from specserve.errors import InvalidParameterError
+from specserve.spec.heads.eagle3_loader import DRAFTER_FORMATS, DraftPass, Eagle3Drafter, load_eagle3_drafter
 from specserve.spec.heads.eagle_kv import EagleKV
 from specserve.spec.registry import MethodSpec
 
@@ -229,12 +230,28 @@ class _GrowthPlan:
                    torch.from_numpy(after))
 
 
-def _build(options: EagleOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
-    return Eagle3Proposer(load_eagle3_drafter(model, target), target, engine,
+@dataclass(frozen=True, slots=True)
+class Eagle3Options(EagleOptions):
+    """eagle's options (the tree and its top-k), and the format of the drafter's matrices on the
+    native kernels (vLLM's speculative_config "quantization" names the draft's): Q8_0, or
+    Q4_0 / Q4_1 at about half the bytes a drafting depth reads (drafts are only proposals:
+    the output stays the target's either way; acceptance may change a little)."""
+
+    quantization: str = "q8_0"
+
+    def __post_init__(self) -> None:
+        EagleOptions.__post_init__(self)
+        if self.quantization not in DRAFTER_FORMATS:
+            raise InvalidParameterError("quantization", self.quantization,
+                                        f"must be one of {', '.join(DRAFTER_FORMATS)} (the EAGLE-3 drafter's format)")
+
+
+def _build(options: Eagle3Options, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
+    return Eagle3Proposer(load_eagle3_drafter(model, target, quantization=options.quantization), target, engine,
                           max_nodes=options.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=options.draft_topk)
 
 
-# The same options as eagle's (the tree and its top-k), and the same default tree.
-METHOD = MethodSpec("eagle3", EagleOptions, _build, auto_max_k=6,
+# eagle's tree and its default, and the drafter's format.
+METHOD = MethodSpec("eagle3", Eagle3Options, _build, auto_max_k=6,
                     needs_model="method 'eagle3' needs an EAGLE-3 drafter folder (its own, one from "
                                 "`specserve train-draft --method eagle3`, or 'default' for the embedded model)")

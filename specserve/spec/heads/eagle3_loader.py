@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from gguf import GGMLQuantizationType
 import torch.nn.functional as F
 from torch import nn
 
@@ -145,8 +146,15 @@ class Eagle3Drafter:
         return out, head.logits(out)
 
 
-def load_eagle3_drafter(folder: str | Path | None, target: LoadedModel, *, for_inference: bool = True) -> Eagle3Drafter:
-    """The drafter in `folder` ("default": the one shipped for the embedded model) for `target`."""
+# speculative_config's eagle3 "quantization": the format of the native drafter's matrices.
+DRAFTER_FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+                   "q4_1": GGMLQuantizationType.Q4_1}
+
+
+def load_eagle3_drafter(folder: str | Path | None, target: LoadedModel, *, for_inference: bool = True,
+                        quantization: str = "q8_0") -> Eagle3Drafter:
+    """The drafter in `folder` ("default": the one shipped for the embedded model) for `target`;
+    next to a native target its matrices are quantized to `quantization` (DRAFTER_FORMATS)."""
     from specserve.spec.heads.eagle3_checkpoint import read_eagle3
 
     path = eagle3_path(folder)
@@ -178,5 +186,6 @@ def load_eagle3_drafter(folder: str | Path | None, target: LoadedModel, *, for_i
         from specserve import native as native_ext
         from specserve.spec.heads.native_eagle3 import NativeEagle3Drafter
 
-        native = NativeEagle3Drafter.from_head(head, native_ext.load(), target.model.level)
+        native = NativeEagle3Drafter.from_head(head, native_ext.load(), target.model.level,
+                                               DRAFTER_FORMATS[quantization])
     return Eagle3Drafter(ckpt.config, head, embed, native)
