@@ -76,17 +76,17 @@ _PLAIN: dict[int, list[list[int]]] = {}
 
 
 def _smollm_plain(smollm) -> list[list[int]]:
-    """Plain greedy tokens of SMOLLM_PROMPTS (64 at most), decoded once per process: a shorter
+    """Plain greedy tokens of SMOLLM_PROMPTS (48 at most), decoded once per process: a shorter
     greedy answer is a prefix of a longer one, so every test slices these."""
     if id(smollm) not in _PLAIN:
         msgs = [[{"role": "user", "content": p}] for p in SMOLLM_PROMPTS]
-        outs = LLM(loaded=smollm, max_num_seqs=1).chat(msgs, SamplingParams(temperature=0, max_tokens=64),
+        outs = LLM(loaded=smollm, max_num_seqs=1).chat(msgs, SamplingParams(temperature=0, max_tokens=48),
                                                        use_tqdm=False)
         _PLAIN[id(smollm)] = [list(o.outputs[0].token_ids) for o in outs]
     return _PLAIN[id(smollm)]
 
 
-def assert_smollm_greedy_equals_plain(smollm, spec: dict, max_num_seqs: int = 1, max_tokens: int = 64,
+def assert_smollm_greedy_equals_plain(smollm, spec: dict, max_num_seqs: int = 1, max_tokens: int = 48,
                                       rounds: int = 1) -> LLM:
     """SMOLLM_PROMPTS decoded greedily with `spec`, `rounds` times through one engine, equal
     plain decoding's tokens every time, and some drafts were accepted. -> the engine."""
