@@ -19,7 +19,7 @@ NON_DEFAULT = {"prompt_lookup_max": 6, "prompt_lookup_min": 2, "num_branches": 3
                "suffix_cache_tokens": 0, "suffix_spec_factor": 2.0, "suffix_min_token_prob": 0.2,
                "num_draft_nodes": 10, "draft_topk": 3, "lookahead_window": 2, "lookahead_ngram": 4,
                "lookahead_candidates": 3, "skip_layers": (5, 9), "catch_up_window": 8,
-               "quantization": "q4_0"}
+               "quantization": "q8_0"}
 PATHS = {"draft_model": "draft", "eagle": "eagle_dir", "eagle3": "eagle3_dir", "medusa": "medusa_dir"}
 
 

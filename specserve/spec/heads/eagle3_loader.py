@@ -152,7 +152,7 @@ DRAFTER_FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationTy
 
 
 def load_eagle3_drafter(folder: str | Path | None, target: LoadedModel, *, for_inference: bool = True,
-                        quantization: str = "q8_0") -> Eagle3Drafter:
+                        quantization: str = "q4_0") -> Eagle3Drafter:
     """The drafter in `folder` ("default": the one shipped for the embedded model) for `target`;
     next to a native target its matrices are quantized to `quantization` (DRAFTER_FORMATS)."""
     from specserve.spec.heads.eagle3_checkpoint import read_eagle3
