@@ -20,7 +20,7 @@ import torch
 
 # Token-generation passes llama-bench times per repetition at T = 1.
 TG_TOKENS = 32
-_SEGFAULT = (-11, 139)  # killed by SIGSEGV (subprocess's code, a shell's)
+
 _NO_REPACK: set[str] = set()  # executables that crashed with their repacked weights
 
 
@@ -39,20 +39,25 @@ def llama_bench_ms(exe: str, model: Path, context: int, tokens: int, threads: in
         shape = ["-p", str(tokens), "-n", "0", "-ub", str(max(tokens, 1)), "-b", str(max(tokens, 1))]
     cmd = [exe, "-m", str(model), "-t", str(threads), "-d", str(context), "-r", str(reps), "-o", "json", *shape]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode in _SEGFAULT:
+    if _killed(out.returncode):
         # llama.cpp's repacked weights (its AMX path on Xeons that have AMX) crash on any batch of
-        # more than one token, the context's prefill included: measure it on its plain
-        # kernels, and say so once.
+        # more than one token (SIGSEGV, or SIGILL for longer batches), the context's prefill
+        # included: measure it on its plain kernels, and say so once.
         if exe not in _NO_REPACK:
             _NO_REPACK.add(exe)
-            print(f"# llama-bench crashed (signal 11) in its repacked-weight path; measured with --repack 0",
-                  file=sys.stderr, flush=True)
+            print(f"# llama-bench was killed by a signal ({out.returncode}) in its repacked-weight path; "
+                  "measured with --repack 0", file=sys.stderr, flush=True)
         out = subprocess.run([*cmd, "--repack", "0"], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({out.returncode}): {out.stderr.strip()[-400:]}")
     rows = json.loads(out.stdout)
     tps = float(rows[0]["avg_ts"])  # tokens per second over the measured repetitions
     return 1000.0 / tps if tokens == 1 else 1000.0 * tokens / tps
+
+
+def _killed(returncode: int) -> bool:
+    """Whether a process died of a signal: subprocess's -N, or a shell's 128 + N."""
+    return returncode < 0 or 128 < returncode < 160
 
 
 def read_bandwidth_gbs(size_mib: int = 1024, rounds: int = 5) -> float:
