@@ -29,10 +29,10 @@ import torch
 from specserve.config import EngineConfig
 from specserve.drafts import DraftTreeProposal, SpecRequest
 from specserve.drafts.tree import DraftTree
+from specserve.errors import InvalidParameterError
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
 from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, TreeCandidates, path_floor
-from specserve.errors import InvalidParameterError
 from specserve.spec.heads.eagle3_loader import DRAFTER_FORMATS, DraftPass, Eagle3Drafter, load_eagle3_drafter
 from specserve.spec.heads.eagle_kv import EagleKV
 from specserve.spec.registry import MethodSpec
