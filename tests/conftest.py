@@ -89,12 +89,9 @@ def _pass_cost_measured_once_per_model():
     measured: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def measure_once(self):
-        # What _measure_cost's passes depend on: its KV layout, probe width and context (as it
-        # computes them), and the kernels' ISA level.
-        c, blocks = self.config, self.scheduler.pool.num_blocks
-        probe = min(128, c.max_num_batched_tokens,
-                    max(64 if self._bounds_steps else 0, c.max_num_seqs * (1 + self.num_speculative_tokens)))
-        shape = (c.block_size, blocks, probe, min(1024, blocks * c.block_size, c.max_model_len),
+        # What _measure_cost's passes depend on: its KV layout, probe width and context, and the
+        # kernels' ISA level.
+        shape = (self.config.block_size, self.scheduler.pool.num_blocks, *self._cost_probe(),
                  os.environ.get("SPECSERVE_CPU_ISA"))
         per_model = measured.setdefault(self.target.model, {})
         if shape not in per_model:

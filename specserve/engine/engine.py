@@ -151,13 +151,16 @@ class LLMEngine:
             self.runner.forward_rows(ForwardBatch(tables, starts, tokens, all_logits=False), [1] * len(requests))
             self.runner.synchronize()
 
-        # Up to the tokens a step of drafts reaches; with the step-time bound, also a prompt
-        # chunk's (~16-64 tokens at 100 ms on the 2-core CPU).
+        return PassCostModel.measure(run, *self._cost_probe())
+
+    def _cost_probe(self) -> tuple[int, int]:
+        """(the widest pass, the longest context) that _measure_cost times: up to the tokens a
+        step of drafts reaches, and with the step-time bound a prompt chunk's too (~16-64 tokens
+        at 100 ms on the 2-core CPU)."""
+        c = self.config
         chunk = 64 if self._bounds_steps else 0
-        probe = min(128, self.config.max_num_batched_tokens,
-                    max(chunk, self.config.max_num_seqs * (1 + self.num_speculative_tokens)))
-        context = min(1024, blocks * bs, self.config.max_model_len) - 16
-        return PassCostModel.measure(run, probe, context)
+        probe = min(128, c.max_num_batched_tokens, max(chunk, c.max_num_seqs * (1 + self.num_speculative_tokens)))
+        return probe, min(1024, self.scheduler.pool.num_blocks * c.block_size, c.max_model_len) - 16
 
     # ---- requests in and out -------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from specserve.errors import InvalidParameterError
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
 from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer, TreeCandidates, path_floor
-from specserve.spec.heads.eagle3_loader import DRAFTER_FORMATS, DraftPass, Eagle3Drafter, load_eagle3_drafter
+from specserve.spec.heads.eagle3_loader import DEFAULT_DRAFTER_FORMAT, DRAFTER_FORMATS, DraftPass, Eagle3Drafter, load_eagle3_drafter
 from specserve.spec.heads.eagle_kv import EagleKV
 from specserve.spec.registry import MethodSpec
 
@@ -239,7 +239,7 @@ class Eagle3Options(EagleOptions):
     prompts 1.567 against 1.584), or Q8_0 / Q4_1. Drafts are only proposals: the output is the
     target's whatever the format."""
 
-    quantization: str = "q4_0"
+    quantization: str = DEFAULT_DRAFTER_FORMAT
 
     def __post_init__(self) -> None:
         EagleOptions.__post_init__(self)

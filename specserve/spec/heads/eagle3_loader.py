@@ -18,8 +18,8 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from specserve.errors import InvalidParameterError, ModelLoadError
@@ -147,12 +147,15 @@ class Eagle3Drafter:
 
 
 # speculative_config's eagle3 "quantization": the format of the native drafter's matrices.
+# Q4_0 by default: half the bytes a drafting depth reads of Q8_0's, for a little acceptance
+# (spec/eagle3.py's Eagle3Options has the figures).
 DRAFTER_FORMATS = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
                    "q4_1": GGMLQuantizationType.Q4_1}
+DEFAULT_DRAFTER_FORMAT = "q4_0"
 
 
 def load_eagle3_drafter(folder: str | Path | None, target: LoadedModel, *, for_inference: bool = True,
-                        quantization: str = "q4_0") -> Eagle3Drafter:
+                        quantization: str = DEFAULT_DRAFTER_FORMAT) -> Eagle3Drafter:
     """The drafter in `folder` ("default": the one shipped for the embedded model) for `target`;
     next to a native target its matrices are quantized to `quantization` (DRAFTER_FORMATS)."""
     from specserve.spec.heads.eagle3_checkpoint import read_eagle3
