@@ -14,6 +14,11 @@ from specserve.model.paged_attention import PagedKVCache
 from tests.helpers import make_tiny_checkpoint
 
 TOL = 1e-5
+# On CUDA, cuBLAS picks its float32 product kernels (and so their summation order) by the row
+# count, so a run in chunks of 1..7 rows and one of 30 rows round differently: measured on an
+# H200, 1.6e-5 on logits of magnitude ~6 (a few float32 ulps of the sums). A stale or wrong
+# KV read, what the rollback test looks for, moves logits by O(1) or makes them NaN.
+CUDA_CHUNKED_TOL = 1e-4
 H, HKV, D = 4, 2, 8
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
@@ -196,7 +201,7 @@ def test_model_rollback_equals_fresh_run(tiny_model, device):
         got += [step(tokens[:, p:p + 1], p) for p in range(26, 30)]
         mine = torch.cat(got)
         assert mine.shape == ref.shape
-        assert (mine - ref).abs().max().item() <= TOL
+        assert (mine - ref).abs().max().item() <= (TOL if device == "cpu" else CUDA_CHUNKED_TOL)
 
 
 def test_group_rows():

@@ -48,6 +48,14 @@ def add_train_parser(sub) -> None:
     t.add_argument("--tree-nodes", type=int, default=d.tree_nodes, help="medusa: nodes of the static draft tree")
     t.add_argument("--save-dtype", default=d.save_dtype, choices=["bfloat16", "float32"])
     t.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
+    t.add_argument("--generator", default=d.generator, choices=["auto", "engine", "batch"],
+                   help="who answers the prompts: the batched engine, or each chunk as one dense batch (faster on a "
+                        "GPU, where the engine's per-request work is the cost); auto: the batch on an accelerator")
+    t.add_argument("--data-minutes", type=float, default=None,
+                   help="begin no data chunk after this many minutes; train on what was made (--resume makes the rest)")
+    t.add_argument("--train-minutes", type=float, default=None,
+                   help="fit the number of training steps (and the learning-rate schedule) to this many minutes, "
+                        "timed over the first steps; default: every epoch")
     t.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own); 1 on a CPU shared with other busy processes")
 
@@ -64,7 +72,7 @@ def run_train(args, argv: list[str]) -> int:
         max_new_tokens=args.max_new_tokens, chunk_size=args.chunk_size, cache=args.cache, epochs=args.epochs, lr=args.lr, seed=args.seed,
         depth=args.depth, eval_depth=args.eval_depth, draft_vocab=args.draft_vocab, tokens_per_batch=args.batch_tokens,
         held_out=args.held_out, tree_nodes=args.tree_nodes, save_dtype=args.save_dtype, device=args.device,
-        resume=args.resume,
+        resume=args.resume, generator=args.generator, data_minutes=args.data_minutes, train_minutes=args.train_minutes,
         command=shlex.join(["specserve", *argv]))
     if args.threads is not None:
         if args.threads < 1:

@@ -17,6 +17,7 @@ from specserve.spec.heads.config import SAVE_DTYPES
 METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 12, "lr": 1e-3}, "medusa": {"depth": 4, "epochs": 8, "lr": 1e-3},
                    "eagle3": {"depth": 5, "epochs": 2, "lr": 5e-4, "chunk_size": 64}}
 TRAIN_METHODS = tuple(METHOD_DEFAULTS)
+GENERATORS = ("auto", "engine", "batch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,11 @@ class TrainDraftConfig:
     chunk_size: int | None = None  # None: 32, or the method's default (METHOD_DEFAULTS)
     resume: bool = False
     command: str = ""  # as typed, recorded in config.json
+    # Who answers the prompts: "engine", "batch" (train/batch_generate.py) or "auto" (the batch
+    # on an accelerator, where the engine's per-request work is the cost; the engine on a CPU).
+    generator: str = "auto"
+    data_minutes: float | None = None  # no data chunk is begun after this long (None: all)
+    train_minutes: float | None = None  # the step count is fitted to this time (None: every epoch)
 
     def __post_init__(self) -> None:
         if self.method not in TRAIN_METHODS:
@@ -64,8 +70,20 @@ class TrainDraftConfig:
             raise InvalidParameterError("lr", self.lr, "must lie in (0, 1)")
         if not 0 < self.held_out < 1:
             raise InvalidParameterError("held-out", self.held_out, "must lie in (0, 1)")
+        if self.generator not in GENERATORS:
+            raise InvalidParameterError("generator", self.generator, f"must be one of {', '.join(GENERATORS)}")
+        for name in ("data_minutes", "train_minutes"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise InvalidParameterError(name.replace("_", "-"), value, "must be a positive number of minutes")
         if self.save_dtype not in SAVE_DTYPES:
             raise InvalidParameterError("save-dtype", self.save_dtype, f"must be one of {', '.join(SAVE_DTYPES)}")
+
+    def generator_on(self, device_type: str) -> str:
+        """The generator that answers, "auto" resolved for the target's device."""
+        if self.generator != "auto":
+            return self.generator
+        return "engine" if device_type == "cpu" else "batch"
 
     @property
     def score_depth(self) -> int:
@@ -74,6 +92,6 @@ class TrainDraftConfig:
     def identity(self) -> dict:
         """The settings that shape data and training: a --resume must not change them."""
         d = dataclasses.asdict(self)
-        for k in ("resume", "command", "epochs", "out", "device", "cache"):
+        for k in ("resume", "command", "epochs", "out", "device", "cache", "data_minutes", "train_minutes"):
             d.pop(k)
         return d

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.model.loader import LoadedModel
 from specserve.sampling_params import SamplingParams
 from specserve.spec.heads import TargetIdentity
+from specserve.train.batch_generate import BatchGenerator
 from specserve.train.prompts import LONG_TURN_TOKENS, USER_TURNS, write_user_turns
 
 # Hidden states are stored in float16: half the disk and memory of float32, 11 bits of
@@ -51,6 +53,10 @@ class DataPlan:
     chunk_size: int  # prompts per shard, answered together by one batched engine
     user_turns: str = USER_TURNS  # how self-written user turns begin (a cache made otherwise is refused)
     record: bool = True  # False: token ids only (EAGLE-3; see the module note)
+    # Who answers: "engine" (the batched engine, as it serves) or "batch" (train/batch_generate.py:
+    # a chunk as one dense batch, for accelerators). Their sampled user turns differ, so a cache
+    # holds one generator's data.
+    generator: str = "engine"
 
 
 @dataclass(slots=True)
@@ -76,10 +82,12 @@ def shard_path(cache: Path, chunk: int) -> Path:
 
 
 def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dict]] | None,
-               cache: Path) -> list[Path]:
+               cache: Path, seconds: float | None = None) -> list[Path]:
     """Answer and record every chunk whose shard is missing; -> all shard paths, in order.
     conversations None: the target writes the user turns itself. Prompts longer than
-    MAX_PROMPT_TOKENS are left out."""
+    MAX_PROMPT_TOKENS are left out. seconds: no chunk is begun after that long (one always is);
+    the shards made by then are returned, in order (a later run with the same cache makes the rest)."""
+    t0 = time.perf_counter()
     cache.mkdir(parents=True, exist_ok=True)
     _claim(cache, plan, target)
     total = plan.num_prompts if conversations is None else min(plan.num_prompts, len(conversations))
@@ -91,10 +99,18 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
         # A pool for a chunk of typical requests (a self-written prompt and a full answer); a
         # chunk of longer ones is preempted and recomputed in turns, with the same outputs.
         typical = -(-(max(plan.prompt_max_tokens, LONG_TURN_TOKENS) + 64 + plan.max_new_tokens) // 16)
-        llm = LLM(loaded=target, max_model_len=max_model_len, max_num_seqs=plan.chunk_size, block_size=16,
-                  num_kv_blocks=max(plan.chunk_size * typical, -(-max_model_len // 16)))
+        llm = BatchGenerator(target) if plan.generator == "batch" else LLM(
+            loaded=target, max_model_len=max_model_len, max_num_seqs=plan.chunk_size, block_size=16,
+            num_kv_blocks=max(plan.chunk_size * typical, -(-max_model_len // 16)))
+        made: set[int] = set()
         bar = tqdm(todo, desc="answering and recording", unit="chunk", initial=len(chunks) - len(todo), total=len(chunks))
         for c in bar:
+            if made and seconds is not None and time.perf_counter() - t0 > seconds:
+                bar.close()
+                done = [p for c, p in enumerate(paths) if c not in todo or c in made]
+                print(f"data budget of {seconds:.0f}s spent: {len(done)} of {len(paths)} shards made "
+                      f"(a run with the same cache makes the rest)")
+                return done
             first = c * plan.chunk_size
             size = min(plan.chunk_size, total - first)
             if conversations is None:
@@ -103,6 +119,7 @@ def build_data(target: LoadedModel, plan: DataPlan, conversations: list[list[dic
             else:
                 convs = conversations[first:first + size]
             _record_chunk(llm, target, convs, plan, max_model_len, paths[c], size)
+            made.add(c)
             bar.set_postfix_str(f"{paths[c].name}")
     return paths
 
@@ -124,7 +141,7 @@ def _claim(cache: Path, plan: DataPlan, target: LoadedModel) -> None:
     want = {"target": target.name, "fingerprint": TargetIdentity.of(target).fingerprint, **dataclasses.asdict(plan)}
     path = cache / DATA_FILE
     if path.is_file():
-        have = json.loads(path.read_text())
+        have = {"generator": "engine", **json.loads(path.read_text())}  # caches older than the choice
         # Chunk c's prompts depend on the seed and c alone, so a cache grows by asking for more
         # prompts (a last shard made short is answered again in full, see _complete).
         changed = sorted(k for k in want if have.get(k) != want[k] and k != "num_prompts")

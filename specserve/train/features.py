@@ -21,8 +21,10 @@ from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.train.data import STORE_DTYPE, Recorded
 
 # Tokens per prefill pass: long enough that the weights are read once for many rows, short
-# enough that the dense cache of the pass stays small.
+# enough that the dense cache of the pass stays small; an accelerator takes 16x as many (its
+# per-pass launch costs are what a small pass would pay for).
 PASS_TOKENS = 4096
+ACCELERATOR_PASS_TOKENS = 16 * PASS_TOKENS
 
 
 def features_path(shard: Path) -> Path:
@@ -44,8 +46,9 @@ def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tupl
         out.extend(h.to("cpu", STORE_DTYPE) for h in fwd.hidden)
         group.clear()
 
+    limit = PASS_TOKENS if target.model.device.type == "cpu" else ACCELERATOR_PASS_TOKENS
     for seq in sequences:
-        if group and (len(group) + 1) * max(len(seq), *(len(s) for s in group)) > PASS_TOKENS:
+        if group and (len(group) + 1) * max(len(seq), *(len(s) for s in group)) > limit:
             flush()
         group.append(list(seq))
     flush()

@@ -36,9 +36,11 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> tuple[Path, HeldOutReport]:
     conversations = read_prompt_file(cfg.prompts) if cfg.prompts else None
     target = load_model(cfg.target, dtype="float32", device=cfg.device)
     prompts = None if cfg.prompts is None else str(Path(cfg.prompts).expanduser().resolve())
-    plan = DataPlan(prompts, cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size)
+    plan = DataPlan(prompts, cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size,
+                    generator=cfg.generator_on(target.model.device.type))
     cache = Path(cfg.cache).expanduser() if cfg.cache else out / "cache"
-    data = load_data(build_data(target, plan, conversations, cache))
+    data = load_data(build_data(target, plan, conversations, cache,
+                                None if cfg.data_minutes is None else 60 * cfg.data_minutes))
     t_data = time.perf_counter() - t0
     train_ids, held_ids = split(len(data), cfg.held_out, cfg.seed)
     log(f"data: {len(data)} sequences ({data.num_answer_tokens(train_ids)} answer tokens to train on, "
@@ -74,7 +76,8 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> tuple[Path, HeldOutReport]:
         return {"held_out": report.as_dict()}
 
     t1 = time.perf_counter()
-    train_plan = TrainPlan(cfg.epochs, cfg.lr, cfg.seed, cfg.depth, cfg.tokens_per_batch)
+    train_plan = TrainPlan(cfg.epochs, cfg.lr, cfg.seed, cfg.depth, cfg.tokens_per_batch,
+                           None if cfg.train_minutes is None else 60 * cfg.train_minutes)
     state = train_epochs(drafter, opt, data, train_ids, train_plan, index, state, ckpt, after_epoch)
     log(f"trained {cfg.epochs} epochs in {time.perf_counter() - t1:.0f}s")
 

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,9 @@ class TrainPlan:
     seed: int
     depth: int  # EAGLE: unrolled steps; Medusa: heads
     tokens_per_batch: int  # padded tokens per optimizer step
+    # Fit the step count to this many seconds (the schedule decays over the fitted count, and
+    # the epoch it ends in is the last, cut short); None: every epoch in full.
+    seconds: float | None = None
 
 
 @dataclass(slots=True)
@@ -65,13 +69,19 @@ def train_epochs(drafter: Drafter, opt: torch.optim.AdamW, data: Recorded, train
     device = drafter.vocab.ids.device
     per_epoch = len(make_batches(data, train_ids, plan.tokens_per_batch, seed=plan.seed))
     total = per_epoch * plan.epochs
+    timer = _StepBudget(plan.seconds, state.step) if plan.seconds is not None else None
     drafter.heads.train()
     for epoch in range(state.epochs_done, plan.epochs):
+        if state.step >= total:
+            break
         batches = make_batches(data, train_ids, plan.tokens_per_batch, seed=plan.seed * 1000 + epoch)
         noise = torch.Generator(device=device).manual_seed(plan.seed * 1000 + epoch)
         losses = []
         bar = tqdm(batches, desc=f"epoch {epoch + 1}/{plan.epochs}", unit="batch")
         for batch_ids in bar:
+            if state.step >= total:
+                bar.close()
+                break
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, total, plan.lr)
             batch = collate(data, batch_ids, plan.depth, index, device)
@@ -84,6 +94,8 @@ def train_epochs(drafter: Drafter, opt: torch.optim.AdamW, data: Recorded, train
             opt.step()
             state.step += 1
             losses.append(loss.item())
+            if timer is not None:
+                total = timer.fit(state.step, total)
             acc = [f"{float(s.correct.sum()) / max(1, int(s.valid.sum())):.2f}" for s in steps]
             bar.set_postfix_str(f"loss {losses[-1]:.3f} top-1 {' '.join(acc)}", refresh=False)
         state.epochs_done = epoch + 1
@@ -94,6 +106,34 @@ def train_epochs(drafter: Drafter, opt: torch.optim.AdamW, data: Recorded, train
         save_checkpoint(ckpt_dir, drafter, opt, state)
     drafter.heads.eval()
     return state
+
+
+class _StepBudget:
+    """Fits a run's step count to a time budget: the rate is timed over steps FIT_FROM..FIT_AT
+    of this run (the first ones pay warm-up), and a fraction of the budget is kept for the
+    held-out reports and checkpoints between epochs."""
+
+    FIT_FROM, FIT_AT = 5, 30
+    RESERVE = 0.15
+
+    def __init__(self, seconds: float, first_step: int):
+        self.seconds, self.first = seconds, first_step
+        self.t0 = time.perf_counter()
+        self.t_from: float | None = None
+
+    def fit(self, step: int, total: int) -> int:
+        done = step - self.first
+        if done == self.FIT_FROM:
+            self.t_from = time.perf_counter()
+        elif done == self.FIT_AT and self.t_from is not None:
+            now = time.perf_counter()
+            rate = (self.FIT_AT - self.FIT_FROM) / max(1e-9, now - self.t_from)  # steps per second
+            left = self.seconds * (1 - self.RESERVE) - (now - self.t0)
+            fitted = min(total, step + max(0, int(left * rate)))
+            print(f"training budget {self.seconds:.0f}s at {rate:.1f} steps/s: {fitted} steps "
+                  f"(of {total} for every epoch)")
+            return fitted
+        return total
 
 
 # ---- checkpoints -----------------------------------------------------------------------------
