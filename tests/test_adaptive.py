@@ -200,11 +200,35 @@ def test_probes_that_fail_back_off_and_an_accepted_one_resets_the_wait():
         p.observe_verification("a", 1, 0)
     assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_MAX, PROBE_MAX]
     assert steps_to_next_probe() == PROBE_MAX
-    p.observe_verification("a", 1, 1)  # accepted: the planner may draft on its own again
-    learned(p, "a", 8, 0)
+    p.observe_verification("a", 1, 1)  # accepted, and at what it shows drafting pays again
+    learned(p, "a", 8, 8)
+    assert p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0] > 0
+    learned(p, "a", 8, 0, times=300)  # then stops paying: probes start over at the shortest wait
     assert steps_to_next_probe() == PROBE_EVERY
     p.forget("a")
-    assert "a" not in p.probe_every and "a" not in p.probing
+    assert "a" not in p.probe_every and "a" not in p.probing and "a" not in p.recheck
+
+
+def test_accepted_probes_whose_drafting_does_not_pay_back_off_too():
+    """A drafter right every time whose drafting step costs 200 passes (a draft model as dear
+    as its target, catching up): its probes are accepted, yet the request never drafts again,
+    so the waits grow as for rejected probes."""
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
+    learned(p, "a", 4, 4)
+    for d in range(1, 5):
+        p.observe_step(PassShape(1 + d), 5e-3, 1.0, d)
+
+    def steps_to_next_probe() -> int:
+        for n in range(1, 2 * PROBE_MAX + 1):
+            if p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths[0]:
+                return n
+        raise AssertionError("no probe")
+
+    waits = []
+    for _ in range(5):
+        waits.append(steps_to_next_probe())
+        p.observe_verification("a", 1, 1)
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_MAX, PROBE_MAX]
 
 
 def test_drafting_time_is_priced_and_trees_cost_their_nodes():

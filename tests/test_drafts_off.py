@@ -21,6 +21,8 @@ OFF_STEPS = 12  # decode steps with drafts off before they come on
 def spec_for(method: str, tiny, tmp_path) -> dict:
     if method == "draft_model":
         return {"method": method, "model": tiny["draft"]}
+    if method == "draft_model-window":  # a draft model that reads only the last 5 tokens after a pause
+        return {"method": "draft_model", "model": tiny["draft"], "catch_up_window": 5}
     if method == "self_spec":
         return {"method": method, "skip_layers": [1]}
     if method == "eagle":
@@ -46,7 +48,7 @@ def expensive_call(llm: LLM):
     return p, "propose"
 
 
-@pytest.mark.parametrize("method", ["draft_model", "self_spec", "eagle", "eagle3", "lookahead"])
+@pytest.mark.parametrize("method", ["draft_model", "draft_model-window", "self_spec", "eagle", "eagle3", "lookahead"])
 def test_drafts_off_cost_no_proposer_work_and_catch_up_when_on(tiny, tmp_path, monkeypatch, method):
     prompt = tiny_prompts(1)[0]
     llm = LLM(loaded=tiny["loaded"], max_num_seqs=1, speculative_config=spec_for(method, tiny, tmp_path))
@@ -72,7 +74,7 @@ def test_drafts_off_cost_no_proposer_work_and_catch_up_when_on(tiny, tmp_path, m
     monkeypatch.setattr(obj, attr, spy)
 
     fed: list[int] = []  # draft_model / self_spec: tokens fed by each first draft pass
-    if method in ("draft_model", "self_spec"):
+    if method in ("draft_model", "draft_model-window", "self_spec"):
         def first_pass(fb):
             fed.append(sum(len(t) for t in fb.token_ids))
             return spy(fb)
@@ -89,4 +91,5 @@ def test_drafts_off_cost_no_proposer_work_and_catch_up_when_on(tiny, tmp_path, m
         # committed while off; self_spec on its last catch_up_window of them only.
         behind = len(prompt) + 1 + OFF_STEPS
         window = llm.engine.proposer.catch_up_window
+        assert window == {"draft_model": None, "draft_model-window": 5}.get(method, window)
         assert fed[0] == (behind if window is None else min(behind, window))

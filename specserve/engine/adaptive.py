@@ -17,9 +17,11 @@ drafts stop being accepted stops drafting; both come back when the numbers chang
 
 A request that drafts nothing learns nothing, so one that has not drafted for PROBE_EVERY
 steps drafts one token (about 1/PROBE_EVERY of a token's price per step). A probe that is not
-accepted doubles the request's wait before the next (up to PROBE_MAX steps), one that is
-accepted brings it back to PROBE_EVERY: a drafter whose probes cost a pass of their own (a draft
-model catching up) then costs a few probes per answer, not one every PROBE_EVERY steps.
+accepted doubles the request's wait before the next (up to PROBE_MAX steps), and so does one
+that is accepted but does not bring the request's drafts back (at the acceptance it showed,
+drafting still does not pay: a draft model as dear as its target); one whose request drafts
+again brings the wait back to PROBE_EVERY. A drafter whose probes cost a pass of their own (a
+draft model catching up) then costs a few probes per answer, not one every PROBE_EVERY steps.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class SpeculationPlanner:
         self.idle_steps: dict[str, int] = {}
         self.probe_every: dict[str, int] = {}  # a request's wait between probes, PROBE_EVERY..PROBE_MAX
         self.probing: set[str] = set()  # requests whose last draft was a probe, until verified
+        # Requests whose probe was accepted: the next plan says whether they draft again.
+        self.recheck: set[str] = set()
         self.proposer_s: list[float | None] = [None] * (max_depth + 1)  # by the step's deepest draft
         self.chosen = [0] * (max_depth + 1)  # request-steps per chosen depth, for the figures
 
@@ -174,6 +178,10 @@ class SpeculationPlanner:
                 heapq.heappush(heap, (-gains[i][j + 1], i, j + 1))
         depths = best[1]
         for i, r in enumerate(rows):  # probes: requests that have not drafted for a while
+            if r.request_id in self.recheck:
+                self.recheck.discard(r.request_id)
+                wait = self.probe_every.get(r.request_id, PROBE_EVERY)
+                self.probe_every[r.request_id] = PROBE_EVERY if depths[i] else min(PROBE_MAX, 2 * wait)
             if depths[i] == 0 and r.max_depth > 0:
                 idle = self.idle_steps.get(r.request_id, 0) + 1
                 self.idle_steps[r.request_id] = idle
@@ -228,8 +236,10 @@ class SpeculationPlanner:
             return
         if request_id in self.probing:
             self.probing.discard(request_id)
-            wait = self.probe_every.get(request_id, PROBE_EVERY)
-            self.probe_every[request_id] = PROBE_EVERY if num_accepted else min(PROBE_MAX, 2 * wait)
+            if num_accepted:
+                self.recheck.add(request_id)
+            else:
+                self.probe_every[request_id] = min(PROBE_MAX, 2 * self.probe_every.get(request_id, PROBE_EVERY))
         if num_nodes is not None:
             # Below 1 where a floor leaves trees shallower than asked, or empty.
             ratio = min(self.tokens_per_depth, num_nodes / depth)
@@ -255,3 +265,4 @@ class SpeculationPlanner:
         self.idle_steps.pop(request_id, None)
         self.probe_every.pop(request_id, None)
         self.probing.discard(request_id)
+        self.recheck.discard(request_id)

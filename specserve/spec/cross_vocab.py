@@ -62,8 +62,9 @@ class CrossVocabularyProposer(Proposer):
 
     name = "draft_model"
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig):
-        self.inner = DraftModelProposer(draft, target, engine, same_vocabulary=False)
+    def __init__(self, draft: LoadedModel, target: LoadedModel, engine: EngineConfig,
+                 catch_up_window: int | None = None):
+        self.inner = DraftModelProposer(draft, target, engine, same_vocabulary=False, catch_up_window=catch_up_window)
         self.draft_tok, self.target_tok = draft.tokenizer, target.tokenizer
         self.target_vocab = min(target.config.vocab_size, target.tokenizer.vocab_size)
         self.draft_len = engine.max_model_len  # the draft's pool holds this many tokens a request

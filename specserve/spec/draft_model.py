@@ -189,9 +189,24 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 
+def check_catch_up_window(w: object) -> None:
+    if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+        raise InvalidParameterError("speculative_config.catch_up_window", w, "must be an integer >= 1 or null")
+
+
 @dataclass(frozen=True, slots=True)
 class DraftModelOptions:
-    """draft_model has no keys of its own: the draft model's path is speculative_config's "model"."""
+    """speculative_config's draft_model keys (the draft model's path is its "model").
+    catch_up_window: when drafting resumes more than this many tokens behind (the prompt, or a
+    pause the planner made), the draft reads only the last this-many tokens
+    (DraftModelProposer.catch_up_window); None (the default) catches up on everything: the
+    draft reads the whole prompt, which a draft that pays wants, at the price of a pass over it
+    and over every pause for one that does not."""
+
+    catch_up_window: int | None = None
+
+    def __post_init__(self) -> None:
+        check_catch_up_window(self.catch_up_window)
 
 
 def _build(options: DraftModelOptions, model: str | None, target: LoadedModel,
@@ -208,11 +223,11 @@ def _build(options: DraftModelOptions, model: str | None, target: LoadedModel,
                            max_model_len=engine.max_model_len)
     why = vocabulary_difference(draft, target)
     if why is None:
-        return DraftModelProposer(draft, target, engine)
+        return DraftModelProposer(draft, target, engine, catch_up_window=options.catch_up_window)
     from specserve.spec.cross_vocab import CrossVocabularyProposer  # (it builds on this module)
 
     logger.info("%s: drafting through text (re-tokenized each step; lossless, see spec/cross_vocab.py)", why)
-    return CrossVocabularyProposer(draft, target, engine)
+    return CrossVocabularyProposer(draft, target, engine, catch_up_window=options.catch_up_window)
 
 
 # A draft model drafts one token per small pass, so its cap is lower than n-gram's.

@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specserve.config import EngineConfig
-from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
-from specserve.spec.draft_model import DraftModelProposer
+from specserve.spec.draft_model import DraftModelProposer, check_catch_up_window
 from specserve.spec.layer_set import check_skip_layers
 from specserve.spec.registry import MethodSpec
 
@@ -61,9 +60,7 @@ class SelfSpecOptions:
     def __post_init__(self) -> None:
         if self.skip_layers is not None:
             object.__setattr__(self, "skip_layers", check_skip_layers(self.skip_layers, None, "skip_layers"))
-        w = self.catch_up_window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            raise InvalidParameterError("speculative_config.catch_up_window", w, "must be an integer >= 1 or null")
+        check_catch_up_window(self.catch_up_window)
 
 
 def _build(options: SelfSpecOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> SelfSpecProposer:
