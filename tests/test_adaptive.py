@@ -3,12 +3,15 @@ Python, with made-up costs), then the engine choosing draft lengths, losslessly.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.engine import cost_model as cost_module
-from specserve.engine.adaptive import PROBE_EVERY, PROBE_MAX, AcceptanceEstimate, PlanRow, SpeculationPlanner
+from specserve.engine.adaptive import (PROBE_BUDGET, PROBE_EVERY, PROBE_MAX, AcceptanceEstimate, PlanRow,
+                                      SpeculationPlanner)
 from specserve.engine.cost_model import KNOTS, PassCostModel, PassShape
 from specserve.errors import InvalidParameterError
 from tests.test_engine_paged import alone, assert_all_blocks_free
@@ -334,27 +337,47 @@ def test_drafting_time_between_and_past_measured_depths():
 
 def test_a_probes_drafting_time_is_not_what_drafting_costs(tiny, monkeypatch):
     """A probe catches up on every token since the request last drafted: the step it drafts
-    for teaches the pass cost, not the drafting time (None), which normal drafting steps set."""
+    for teaches the pass cost and the probes' own average (probe_s), not the drafting time,
+    which normal drafting steps set."""
     p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
-    p.observe_step(PassShape(2), 5e-3, None, 1)
-    assert p.proposer_s[1] is None and p.drafting_s(1) == 0.0
+    p.observe_step(PassShape(2), 5e-3, 4e-3, 1, probe=True)
+    assert p.proposer_s[1] is None and p.drafting_s(1) == 0.0 and p.probe_s == pytest.approx(4e-3)
     p.observe_step(PassShape(2), 5e-3, 1e-3, 1)
-    p.observe_step(PassShape(2), 5e-3, None, 1)
-    assert p.drafting_s(1) == pytest.approx(1e-3)
-    # In the engine: the step verifying a probe's draft reports None.
+    p.observe_step(PassShape(2), 5e-3, 9e-3, 1, probe=True)
+    assert p.drafting_s(1) == pytest.approx(1e-3) and p.probe_s == pytest.approx(4e-3 + 0.2 * 5e-3)
+    # In the engine: the step verifying a probe's draft says so.
     llm = tiny_engine(tiny, linear_cost(1e-3, 1e-3))
     engine = llm.engine
     seen = []
     orig = engine.planner.observe_step
     monkeypatch.setattr(engine.planner, "observe_step",
-                        lambda shape, pass_s, drafting_s, deepest: (seen.append((drafting_s, deepest)),
-                                                                    orig(shape, pass_s, drafting_s, deepest)))
+                        lambda shape, pass_s, drafting_s, deepest, probe=False: (
+                            seen.append((probe, deepest)), orig(shape, pass_s, drafting_s, deepest, probe)))
     engine.planner.requests["r"] = AcceptanceEstimate(0.9, [50.0], [0.0])  # drafts never accepted: probes only
     engine.add_request("r", tiny_prompts(3)[2], GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    probed = [d for d, deepest in seen if deepest > 0]
-    assert probed and all(d is None for d in probed)
+    probed = [probe for probe, deepest in seen if deepest > 0]
+    assert probed and all(probed)
+    assert engine.planner.probe_s is not None and engine.planner.proposer_s[1] is None
+
+
+def test_probes_cost_at_most_their_budget_of_the_time():
+    """A probe whose drafting costs about four passes (a draft model catching up) comes at most
+    once in 4 / PROBE_BUDGET steps, whatever its wait; a cheap one every PROBE_EVERY steps."""
+    def first_probe(probe_s):
+        p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
+        learned(p, "a", 4, 0)
+        if probe_s is not None:
+            p.observe_step(PassShape(1), 5e-3, probe_s, 1, probe=True)
+        for n in range(1, 10 * PROBE_MAX):
+            if p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths[0]:
+                return n
+        raise AssertionError("no probe")
+
+    assert first_probe(None) == first_probe(1e-5) == PROBE_EVERY
+    pass_s = linear_cost(5e-3, 1e-4).predict(PassShape(1))
+    assert first_probe(20e-3) == math.ceil(20e-3 / (PROBE_BUDGET * pass_s)) > 3 / PROBE_BUDGET
 
 
 def test_steps_take_exactly_the_drafts_the_planner_chose(tiny, monkeypatch):

@@ -20,8 +20,12 @@ steps drafts one token (about 1/PROBE_EVERY of a token's price per step). A prob
 accepted doubles the request's wait before the next (up to PROBE_MAX steps), and so does one
 that is accepted but does not bring the request's drafts back (at the acceptance it showed,
 drafting still does not pay: a draft model as dear as its target); one whose request drafts
-again brings the wait back to PROBE_EVERY. A drafter whose probes cost a pass of their own (a
-draft model catching up) then costs a few probes per answer, not one every PROBE_EVERY steps.
+again brings the wait back to PROBE_EVERY. And whatever the wait, probes may cost at most
+PROBE_BUDGET of the time: a probe's measured drafting (it catches up on every token since the
+request last drafted: a draft model's or a self-draft's pass over them) over PROBE_BUDGET of a
+pass is the fewest steps between two. A drafter whose probes cost a pass of their own then
+costs about one probe per answer while it does not pay, and a cheap lookup one every
+PROBE_EVERY steps.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ METHOD_DECAY = 0.995
 INITIAL_ACCEPTANCE = 0.5
 PROBE_EVERY = 16
 PROBE_MAX = 128
+PROBE_BUDGET = 0.01  # of the time spent in target passes, at most, spent drafting probes
 # Drafting time per step is an exponential average per draft depth.
 PROPOSER_RATE = 0.2
 
@@ -124,6 +129,7 @@ class SpeculationPlanner:
         # Requests whose probe was accepted: the next plan says whether they draft again.
         self.recheck: set[str] = set()
         self.proposer_s: list[float | None] = [None] * (max_depth + 1)  # by the step's deepest draft
+        self.probe_s: float | None = None  # drafting time of a step that drafted a probe, averaged
         self.chosen = [0] * (max_depth + 1)  # request-steps per chosen depth, for the figures
 
     # ---- choosing ---------------------------------------------------------------------------
@@ -177,6 +183,8 @@ class SpeculationPlanner:
             if j + 1 < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][j + 1], i, j + 1))
         depths = best[1]
+        # Probes cost at most PROBE_BUDGET of the passes' time (module note).
+        floor = 0 if self.probe_s is None else math.ceil(self.probe_s / (PROBE_BUDGET * max(1e-9, self.cost.predict(base))))
         for i, r in enumerate(rows):  # probes: requests that have not drafted for a while
             if r.request_id in self.recheck:
                 self.recheck.discard(r.request_id)
@@ -185,7 +193,7 @@ class SpeculationPlanner:
             if depths[i] == 0 and r.max_depth > 0:
                 idle = self.idle_steps.get(r.request_id, 0) + 1
                 self.idle_steps[r.request_id] = idle
-                if idle >= self.probe_every.get(r.request_id, PROBE_EVERY):
+                if idle >= max(floor, self.probe_every.get(r.request_id, PROBE_EVERY)):
                     depths[i] = 1
                     self.probing.add(r.request_id)
             if depths[i]:
@@ -250,13 +258,16 @@ class SpeculationPlanner:
         est.observe(depth, num_accepted)
         self.method.observe(depth, num_accepted)
 
-    def observe_step(self, shape: PassShape, pass_s: float, drafting_s: float | None, deepest: int) -> None:
-        """A pass of `shape` took pass_s; the drafting for it drafting_s (None: a probe's, which
-        caught up on every token since the request last drafted, so not what a drafting step
-        costs: left out of the average, or drafting after a long pause would look dearer with
-        every pause, and pauses grow longer)."""
+    def observe_step(self, shape: PassShape, pass_s: float, drafting_s: float, deepest: int,
+                     probe: bool = False) -> None:
+        """A pass of `shape` took pass_s; the drafting for it drafting_s. probe: the step drafted
+        a probe, which caught up on every token since the request last drafted, so not what a
+        drafting step costs: it is averaged apart (probe_s, which spaces probes), or drafting
+        after a long pause would look dearer with every pause, and pauses grow longer."""
         self.cost.observe(shape, pass_s)
-        if deepest > 0 and drafting_s is not None:
+        if probe:
+            self.probe_s = drafting_s if self.probe_s is None else self.probe_s + PROPOSER_RATE * (drafting_s - self.probe_s)
+        elif deepest > 0:
             old = self.proposer_s[deepest]
             self.proposer_s[deepest] = drafting_s if old is None else old + PROPOSER_RATE * (drafting_s - old)
 

@@ -369,9 +369,9 @@ class LLMEngine:
                 # may have left every tree empty, and that drafting cost time all the same.
                 drafted = [max(t.max_depth, s.request.draft_depth if s.decode else 0) for s, t in zip(scheduled, trees)]
                 # A probe's drafting caught up on everything since the request last drafted:
-                # not what a drafting step costs, so it does not teach the planner that.
-                drafting = None if self._probe_drafted else self._drafting_s if any(drafted) else 0.0
-                self.planner.observe_step(shape, t2 - t1, drafting, max(drafted))
+                # the planner averages it apart from what a drafting step costs.
+                self.planner.observe_step(shape, t2 - t1, self._drafting_s if any(drafted) else 0.0, max(drafted),
+                                          probe=self._probe_drafted)
             else:
                 self.cost.observe(shape, t2 - t1)
         decoding = [s.decode for s in scheduled]
