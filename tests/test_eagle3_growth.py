@@ -88,6 +88,11 @@ class ReferenceProposer(Eagle3Proposer):
                       positions + 1, torch.tensor([r.first for r in rows]))
         out, logits = d.step(d.embed(tokens), states, p, self.k_rows, self.v_rows)
         ends = q_start[1:] - 1
+        if d.native is None:
+            # The torch path's catch-up takes its draft head over each sequence's last row only;
+            # a float32 product's bits can depend on its row count (AVX2 builds of the BLAS pick
+            # kernels by it), so the reference takes the head over the same rows.
+            return out[ends], d.head.logits(out[ends])
         return out[ends], logits[ends]
 
     def _grow(self, rows, tables, roots, root_logits, depth):
