@@ -41,9 +41,7 @@ def expensive_call(llm: LLM):
     p = llm.engine.proposer
     if p.name in ("draft_model", "self_spec"):
         return p.runner, "execute_last"
-    if p.name == "eagle":
-        return p.drafter, "heads"
-    if p.name == "eagle3":
+    if p.name in ("eagle", "eagle3"):
         return p, "_catch_up"  # the drafter's first pass of every drafting step
     return p, "propose"
 

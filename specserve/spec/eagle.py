@@ -12,31 +12,34 @@ Per step and request (L = the last position with a target feature; the root is t
      never scores above its parent, so their ancestors are in the tree too.
 Candidates are deterministic (top-k), so the tree carries no draft probabilities: the
 verifier's tree rule keeps greedy and sampled outputs exactly the target's.
+
+EAGLE and EAGLE-3 draft with the same machinery (FeatureTreeProposer): every drafting request's
+rows run together, flattened, one catch-up pass and one pass per depth, over the drafter's own
+paged KV (heads/eagle_kv.py); EAGLE-3's drafter runs a pass on the native kernels or in torch,
+EAGLE's heads in torch through the same flat drafter attention.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from specserve.config import EngineConfig
+from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.drafts.tree import DraftTree
 from specserve.errors import InvalidParameterError
 from specserve.kv.budget import num_kv_blocks
 from specserve.model.loader import LoadedModel
 from specserve.spec.heads import Drafter
-from specserve.spec.heads.eagle_kv import EagleKV
-from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.spec.heads.eagle_kv import DraftPass, EagleKV, FlatDraftAttention
 from specserve.spec.medusa import check_num_draft_nodes
 from specserve.spec.proposer import Proposer
 from specserve.spec.registry import MethodSpec
-from specserve.drafts.tree import DraftTree
 
-# A catch-up of at most this many positions (a decode step's accepted path) shares a padded
-# pass with the others; a longer one (a prompt) runs alone rather than padding every row to it.
-_SHARED_CATCH_UP = 16
 # Ties between a candidate and its parent (a child of probability 1 after rounding) go to the
 # parent, so that a node is never chosen without its parent.
 _DEPTH_TIE_BREAK = 1e-6
@@ -49,15 +52,14 @@ def path_floor(r: SpecRequest) -> float:
 
 @dataclass(slots=True)
 class _Row:
-    """A request drafting this step."""
-
     index: int  # in the batch handed to propose
     request_id: str
     start: int  # first catch-up position
-    features: torch.Tensor  # [C, H] target features at positions start..L
-    next_tokens: list[int]  # [C] the token after each of those positions (the drafter's token input)
-    depth: int  # deepest allowed node
+    states: torch.Tensor  # [C, F] the target's states at positions start..L (EAGLE-3: 3 captured)
+    next_tokens: list[int]  # [C] the token after each of those positions
+    depth: int
     max_nodes: int
+    first: int = 0  # the request's first drafter entry
     floor: float = -math.inf  # log of SpecRequest.min_path_prob: no node below it
 
     @property
@@ -65,15 +67,48 @@ class _Row:
         return self.start + len(self.next_tokens) - 1
 
 
+
+@dataclass(slots=True)
+class DraftingTimes:
+    """Where drafting time goes, for `bench`: catch-up passes and growth depths."""
+
+    catch_up_s: float = 0.0
+    catch_up_passes: int = 0
+    depth_s: float = 0.0
+    depth_passes: int = 0
+    select_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        per = (lambda t, n: round(1e3 * t / n, 4) if n else None)
+        return {"catch_up_ms": per(self.catch_up_s, self.catch_up_passes),
+                "depth_ms": per(self.depth_s, self.depth_passes), "select_ms_total": round(1e3 * self.select_s, 3),
+                "catch_up_passes": self.catch_up_passes, "depth_passes": self.depth_passes}
+
+
 class FeatureTreeProposer(Proposer):
-    """What EAGLE and EAGLE-3 share: a drafter KV per request fed with the target's states
-    (EagleKV: `self.kv`), and a tree per request whose growth every drafting request's rows run
-    together (`self.max_nodes` nodes, `self.topk` expanded per depth)."""
+    """What EAGLE and EAGLE-3 share (module note): a drafter KV per request fed with the
+    target's states (EagleKV: `self.kv`), one catch-up pass and one pass per depth for every
+    drafting request's rows, and a tree per request (`self.max_nodes` nodes, `self.topk`
+    expanded per depth). `drafter` runs a pass (`step`) over flattened rows described by a
+    DraftPass (heads/eagle_kv.py): EAGLE-3's Eagle3Drafter, or EAGLE's heads through _EagleSteps.
+    """
 
     needs_hidden_states = True
-    kv: EagleKV
-    max_nodes: int
-    topk: int
+
+    def __init__(self, drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
+        self.drafter = drafter
+        self.max_nodes = max_nodes
+        self.topk = min(topk, drafter.config.draft_vocab_size)
+        self.kv = EagleKV(drafter.config.layer_config(), num_kv_blocks(target, engine), engine.block_size,
+                          drafter.kv_dtype, drafter.device)
+        self.k_rows = self.kv.cache.k.view(1, -1, *self.kv.cache.k.shape[-2:])  # [1, rows, Hkv, D]
+        self.v_rows = self.kv.cache.v.view(1, -1, *self.kv.cache.v.shape[-2:])
+        self.block_size = engine.block_size
+        self.times = DraftingTimes()
+        # (B, K, depths) -> the growth metadata that does not depend on positions (a few
+        # shapes per server: batch sizes up to max_num_seqs, depths up to the method's cap).
+        self._shapes: dict[tuple[int, int, int], _GrowthShape] = {}
 
     def num_draft_nodes(self, num_speculative_tokens: int) -> int:
         return max(num_speculative_tokens, self.max_nodes)
@@ -98,110 +133,129 @@ class FeatureTreeProposer(Proposer):
                 begun.append((i, r, *got))
         return depth, begun
 
-
-class EagleProposer(FeatureTreeProposer):
-    name = "eagle"
-
-    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
-        self.drafter = drafter
-        self.max_nodes = max_nodes
-        self.topk = min(topk, drafter.config.draft_vocab_size)
-        model = target.model
-        self.kv = EagleKV(drafter.config.layer_config(), num_kv_blocks(target, engine), engine.block_size,
-                          drafter.dtype, model.device)
-
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
         trees = [DraftTree.empty() for _ in batch]
         depth, begun = self._begin(batch)
-        rows = [_Row(i, r.request_id, start, features, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
-                     r.max_nodes, path_floor(r)) for i, r, start, features in begun]
+        rows = [_Row(i, r.request_id, start, states, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
+                     r.max_nodes, self.kv.first(r.request_id), path_floor(r)) for i, r, start, states in begun]
         if not rows:
             return DraftTreeProposal(trees)
-        roots = self._catch_up(rows)  # [B, H]
-        for row, tree in zip(rows, self._grow(rows, roots, depth)):
+        tables = self.kv.tables([r.request_id for r in rows], max(r.last for r in rows) + 1 + max(depth - 1, 0) * self.topk)
+        t0 = time.perf_counter()
+        root_out, root_logits = self._catch_up(rows, tables)  # [B, H], [B, Vd]
+        self.times.catch_up_s += time.perf_counter() - t0
+        self.times.catch_up_passes += 1
+        for row, tree in zip(rows, self._grow(rows, tables, root_out, root_logits, depth)):
             trees[row.index] = tree
         for row in rows:  # the context stays, the tree slots go back
             self.kv.commit(row.request_id, row.last + 2)
         return DraftTreeProposal(trees)
 
+    def _rows_of(self, tables: np.ndarray, slots: np.ndarray, seq: np.ndarray) -> np.ndarray:
+        """Logical slots [..., N] of sequences seq [N] -> physical cache rows [..., N]."""
+        bs = self.block_size
+        return tables[seq, slots // bs] * bs + slots % bs
+
     # ---- 1. catch-up -------------------------------------------------------------------------
 
-    def _catch_up(self, rows: list[_Row]) -> torch.Tensor:
-        """Feed each row's new positions; -> the drafter's output at each row's L [B, H]."""
-        short = [j for j, r in enumerate(rows) if len(r.next_tokens) <= _SHARED_CATCH_UP]
-        groups = ([short] if short else []) + [[j] for j in range(len(rows)) if j not in short]
-        out: list[torch.Tensor | None] = [None] * len(rows)
-        for group in groups:
-            for j, h in zip(group, self._catch_up_pass([rows[j] for j in group])):
-                out[j] = h
-        return torch.stack(out)
-
-    def _catch_up_pass(self, rows: list[_Row]) -> torch.Tensor:
-        device, h = self.kv.device, self.drafter.config.hidden_size
-        width = max(len(r.next_tokens) for r in rows)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        features = torch.zeros(len(rows), width, h, dtype=self.drafter.dtype, device=device)
-        positions = torch.zeros(len(rows), width, dtype=torch.long)
-        slots = torch.full((len(rows), width), -1, dtype=torch.long)
-        for b, r in enumerate(rows):
-            c = len(r.next_tokens)
-            tokens[b, :c] = torch.tensor(r.next_tokens)
-            features[b, :c] = r.features
-            positions[b, :c] = torch.arange(r.start, r.start + c)
-            slots[b, :c] = positions[b, :c]
-        span = max(r.last for r in rows) + 1
-        keys = torch.arange(span)
-        first = torch.tensor([self.kv.first(r.request_id) for r in rows])[:, None, None]
-        # Causal from the request's first entry; padding queries see that entry (never nothing).
-        upto = torch.where(slots >= 0, positions, first[:, :, 0])[:, :, None]
-        visible = (keys >= first) & (keys <= upto)  # [B, C, S]
-        meta = self.kv.metadata(self.kv.tables([r.request_id for r in rows], span), positions, slots, visible)
+    def _catch_up(self, rows: list[_Row], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass over every row's new positions, causal -> output [B, H] and logits [B, Vd] at
+        each L."""
         d = self.drafter
-        g = d.heads(d.embed(tokens.to(device)).to(d.dtype), features, meta.positions, meta, self.kv.cache)  # [B, C, H]
-        last = torch.tensor([len(r.next_tokens) - 1 for r in rows], device=device)
-        return g[torch.arange(len(rows), device=device), last]
+        # The pass's metadata in numpy (a handful of tiny arrays: each torch op would cost more
+        # than its work), handed over without copies.
+        counts = np.fromiter((len(r.next_tokens) for r in rows), np.int64, len(rows))
+        ends = np.cumsum(counts)  # [B] one past each row's last entry
+        seq = np.repeat(np.arange(len(rows)), counts)  # [N]
+        starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
+        positions = np.arange(ends[-1]) + (starts - (ends - counts))[seq]  # [N]
+        tokens = torch.tensor([t for r in rows for t in r.next_tokens] if len(rows) > 1 else rows[0].next_tokens,
+                              dtype=torch.long)
+        states = torch.cat([r.states for r in rows]) if len(rows) > 1 else rows[0].states  # [N, 3 Ht]
+        p = DraftPass(torch.from_numpy(positions), torch.from_numpy(self._rows_of(tables.numpy(), positions, seq)),
+                      torch.from_numpy(np.concatenate(([0], ends))), tables, self.block_size,
+                      torch.from_numpy(positions + 1),
+                      torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))))
+        # Only each row's L goes past its key and value: the others only fill the cache.
+        return d.step(d.embed(tokens.to(d.device)), states.to(d.device, torch.float32), p, self.k_rows, self.v_rows,
+                      last_only=True)
 
     # ---- 2. and 3. growth and selection -------------------------------------------------------
 
-    def _grow(self, rows: list[_Row], roots: torch.Tensor, depth: int) -> list[DraftTree]:
+    def _grow(self, rows: list[_Row], tables: torch.Tensor, roots: torch.Tensor, root_logits: torch.Tensor,
+              depth: int) -> list[DraftTree]:
         d, k = self.drafter, self.topk
-        bsz = len(rows)
-        cands = TreeCandidates(d.vocab(roots), k)
+        cands = TreeCandidates(root_logits, k)
         floors = [r.floor for r in rows]
-        if cands.frontier_below(floors):
-            depth = 1
-        frontier_feat = roots[:, None].expand(bsz, k, roots.shape[-1])  # [B, K, H] the parent's output
-        span = (depth - 1) * k  # tree slots after each row's context
-        frontier_anc = torch.zeros(bsz, k, max(span, 1), dtype=torch.bool)  # expanded ancestors' tree slots
-        last = torch.tensor([r.last for r in rows])
-        first = torch.tensor([self.kv.first(r.request_id) for r in rows])
-        num_keys = int(last.max()) + 1 + span
-        tables = self.kv.tables([r.request_id for r in rows], num_keys)
-        keys = torch.arange(num_keys)
-        context = (keys >= first[:, None]) & (keys <= last[:, None])  # [B, S]
-        rel = keys[None, :] - (last[:, None] + 1)  # [B, S] tree slot of each key (< 0: context)
-        offset = 0
-        for level in range(2, depth + 1):
-            own = torch.arange(offset, offset + k)
-            anc = frontier_anc.clone()
-            anc[:, torch.arange(k), own] = True
-            tree_part = anc.gather(2, rel.clamp(0, span - 1)[:, None, :].expand(bsz, k, num_keys))
-            visible = context[:, None, :] | (tree_part & (rel >= 0)[:, None, :])  # [B, K, S]
-            positions = (last + level - 1)[:, None].expand(bsz, k)
-            slots = last[:, None] + 1 + own[None, :]
-            meta = self.kv.metadata(tables, positions, slots, visible)
-            g = d.heads(d.embed(d.vocab.ids[cands.frontier_tok]).to(d.dtype), frontier_feat, meta.positions, meta,
-                        self.kv.cache)
-            sel = cands.expand(d.vocab(g), last=level == depth)
-            offset += k
-            if sel is None or cands.frontier_below(floors):  # nothing deeper could be kept
-                break
-            parent = sel // k  # [B, K] each next frontier node's parent in this frontier
-            frontier_feat = g.gather(1, parent[:, :, None].expand(bsz, k, g.shape[-1]))
-            frontier_anc = anc.gather(1, parent.cpu()[:, :, None].expand(bsz, k, anc.shape[-1]))
-        return cands.trees([(r.depth, r.max_nodes) for r in rows], d.vocab.ids, floors)
+        t0 = time.perf_counter()  # the plan counts as growth time, spread over the depths
+        if depth > 1 and not cands.frontier_below(floors):
+            key = (len(rows), k, depth - 1)
+            shape = self._shapes.get(key)
+            if shape is None:
+                shape = self._shapes[key] = _GrowthShape.of(*key)
+            plan = _GrowthPlan.of(shape, rows, tables, self._rows_of)
+            frontier_out = roots.index_select(0, shape.seq.to(roots.device))  # [B * K, H] each parent's output
+            frontier_anc = shape.own[0]  # [B * K, span] expanded ancestors' tree slots, own slot set
+            for j in range(depth - 1):  # level j + 2
+                anc = frontier_anc if j == 0 else frontier_anc + shape.own[j]  # own slot free until now: + is |
+                p = DraftPass(plan.positions[j], plan.write_rows[j], shape.q_start, tables, self.block_size,
+                              plan.prefix_len, plan.kv_start, tree_row=shape.tree_row, tree_start=plan.tree_start,
+                              tree_size=shape.tree_size[j], tree_mask=anc.view(-1))
+                ids = d.draft_ids.index_select(0, cands.frontier_tok.view(-1))
+                out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
+                last = j == depth - 2
+                sel = cands.expand(logits.view(len(rows), k, -1), last=last)
+                t1 = time.perf_counter()
+                self.times.depth_s += t1 - t0
+                self.times.depth_passes += 1
+                t0 = t1
+                if last or cands.frontier_below(floors):  # nothing deeper could be kept
+                    break
+                flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
+                frontier_out = out.index_select(0, flat)
+                frontier_anc = anc.index_select(0, flat.cpu())
+        trees = cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids, floors)
+        self.times.select_s += time.perf_counter() - t0
+        return trees
 
+
+class _EagleSteps:
+    """EAGLE's drafter (Drafter: its heads, draft vocabulary and the target's embedding) in the
+    terms FeatureTreeProposer drafts with: a pass over flattened rows (EagleHead runs on [N, H]
+    rows as on [B, T, H] ones), its keys and values in the drafter's KV, through the torch path's
+    flat drafter attention."""
+
+    def __init__(self, drafter: Drafter, device: torch.device):
+        self.d = drafter
+        self.config = drafter.config
+        self.device = device
+        self.kv_dtype = drafter.dtype
+
+    @property
+    def draft_ids(self) -> torch.Tensor:
+        return self.d.vocab.ids
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.d.embed(ids)
+
+    def step(self, embeds: torch.Tensor, feature: torch.Tensor, p: DraftPass, k_rows: torch.Tensor,
+             v_rows: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, feature [N, H] -> (out [N, H], logits [N, Vd]); last_only: each sequence's last
+        row alone (out [B, H], logits [B, Vd]), as Eagle3Drafter.step."""
+        d = self.d
+        out = d.heads(embeds.to(d.dtype), feature.to(d.dtype), p.positions.to(self.device), p,
+                      FlatDraftAttention(k_rows, v_rows))
+        if last_only:
+            out = out.index_select(0, (p.q_start[1:] - 1).to(out.device))
+        return out, d.vocab(out)
+
+
+class EagleProposer(FeatureTreeProposer):
+    name = "eagle"
+
+    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
+        super().__init__(_EagleSteps(drafter, target.model.device), target, engine, max_nodes, topk)
 
 
 class TreeCandidates:
@@ -284,6 +338,57 @@ def select_trees(limits: list[tuple[int, int]], tokens: np.ndarray, score: torch
         node_of = {c: i for i, c in enumerate(chosen.tolist())}
         trees.append(DraftTree(tokens[b, chosen].tolist(), [node_of.get(p, -1) for p in parents[b, chosen].tolist()]))
     return trees
+
+
+@dataclass(frozen=True, slots=True)
+class _GrowthShape:
+    """What every proposal of B requests growing `depths` depths of K nodes shares (no positions),
+    built once per (B, K, depths). n = B * K rows per pass, row b * K + i the frontier's i-th
+    node of request b; depth j writes tree slot j * K + i after the context; the ancestor mask
+    rows are `span` = depths * K bytes apart, of which the first tree_size[j] = (j + 1) * K are read."""
+
+    seq_np: np.ndarray  # [n] the request of each row
+    tree_slot: np.ndarray  # [depths, n] each row's tree slot at depth j
+    seq: torch.Tensor  # [n]
+    q_start: torch.Tensor  # [B + 1]
+    tree_row: torch.Tensor  # [n] byte offset of each row's ancestor mask
+    tree_size: torch.Tensor  # [depths, B]
+    own: torch.Tensor  # [depths, n, span] uint8: each row's own tree slot at depth j
+    parent_row: torch.Tensor  # [B, K * K] the row of child c's parent: b * K + c // K
+
+    @classmethod
+    def of(cls, bsz: int, k: int, depths: int) -> _GrowthShape:
+        n, span = bsz * k, depths * k
+        seq = np.repeat(np.arange(bsz), k)
+        level = np.arange(depths)[:, None]  # [depths, 1]
+        tree_slot = level * k + np.tile(np.arange(k), bsz)
+        own = np.zeros((depths, n, span), dtype=np.uint8)
+        own[level, np.arange(n), tree_slot] = 1
+        return cls(seq, tree_slot, torch.from_numpy(seq), torch.from_numpy(np.arange(0, n + 1, k)),
+                   torch.from_numpy(np.arange(n) * span), torch.from_numpy(np.repeat((level + 1) * k, bsz, axis=1)),
+                   torch.from_numpy(own), torch.from_numpy(np.arange(0, n, k)[:, None] + np.arange(k * k) // k))
+
+
+@dataclass(slots=True)
+class _GrowthPlan:
+    """The growth passes' metadata that depends on the rows' positions, for one proposal (depth
+    j's are row views): depth j (level j + 2) sits at position L + 1 + j and writes slot
+    L + 1 + tree_slot."""
+
+    positions: torch.Tensor  # [depths, n]
+    write_rows: torch.Tensor  # [depths, n] physical cache rows
+    prefix_len: torch.Tensor  # [n] the context: slots up to L
+    kv_start: torch.Tensor  # [B]
+    tree_start: torch.Tensor  # [B] L + 1
+
+    @classmethod
+    def of(cls, shape: _GrowthShape, rows: list[_Row], tables: torch.Tensor, rows_of) -> _GrowthPlan:
+        after = np.fromiter((r.last + 1 for r in rows), np.int64, len(rows))  # [B] each row's first tree slot
+        after_n = after[shape.seq_np]  # [n]
+        return cls(torch.from_numpy(after_n + np.arange(len(shape.tree_slot))[:, None]),
+                   torch.from_numpy(rows_of(tables.numpy(), after_n + shape.tree_slot, shape.seq_np)),
+                   torch.from_numpy(after_n), torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))),
+                   torch.from_numpy(after))
 
 
 MAX_DRAFT_TOPK = 32

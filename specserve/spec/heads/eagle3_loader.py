@@ -18,7 +18,6 @@ from importlib import resources
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
@@ -27,81 +26,16 @@ from specserve.model.loader import LoadedModel
 from specserve.spec.heads.config import TargetIdentity
 from specserve.spec.heads.eagle3 import Eagle3Head
 from specserve.spec.heads.eagle3_config import DRAFT_IDS, Eagle3Config
+from specserve.spec.heads.eagle_kv import DraftPass, FlatDraftAttention
 
 # The EAGLE-3 drafter shipped for the embedded model, named by model "default".
 DEFAULT_EAGLE3_DRAFTER = "eagle3-smollm2-135m"
-
-
-@dataclass(slots=True)
-class DraftPass:
-    """One drafting pass over flattened rows, in the native layer's terms (on the host).
-
-    Sequence s owns rows [q_start[s], q_start[s + 1]); row i writes its key and value to cache
-    row `write_rows[i]` and sees the sequence's slots [kv_start[s], prefix_len[i]) and, when
-    tree_row is set, the slots tree_start[s] + m with tree_mask[tree_row[i] + m] != 0."""
-
-    positions: torch.Tensor  # [N] int64 (RoPE)
-    write_rows: torch.Tensor  # [N] int64 physical cache rows
-    q_start: torch.Tensor  # [B + 1] int64
-    block_table: torch.Tensor  # [B, blocks] int64
-    block_size: int
-    prefix_len: torch.Tensor  # [N] int64
-    kv_start: torch.Tensor  # [B] int64
-    tree_row: torch.Tensor | None = None  # [N] int64 byte offset of each row's mask
-    tree_start: torch.Tensor | None = None  # [B]
-    tree_size: torch.Tensor | None = None  # [B]
-    tree_mask: torch.Tensor | None = None  # flat uint8
 
 
 def eagle3_path(folder: str | Path | None) -> Path:
     if folder is None or str(folder) == "default":
         return Path(str(resources.files("specserve") / "assets" / DEFAULT_EAGLE3_DRAFTER))
     return Path(folder).expanduser()
-
-
-class _FlatDraftAttention:
-    """The attention interface (`attend(layer, q, k, v, meta)`) over a DraftPass: writes the
-    rows' keys and values to the cache, then each sequence's rows attend to their visible slots."""
-
-    def __init__(self, k_rows: torch.Tensor, v_rows: torch.Tensor):
-        self.k, self.v = k_rows[0], v_rows[0]  # [rows, Hkv, D]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: DraftPass) -> torch.Tensor:
-        """q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq * D]."""
-        device = q.device
-        rows = p.write_rows.to(device)
-        self.k.index_copy_(0, rows, k.to(self.k.dtype))
-        self.v.index_copy_(0, rows, v.to(self.v.dtype))
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-        block = p.block_size
-        starts = p.q_start.tolist()
-        for s in range(len(starts) - 1):
-            a, b = starts[s], starts[s + 1]
-            if a == b:
-                continue
-            prefix = p.prefix_len[a:b]
-            span = int(prefix.max())
-            if p.tree_row is not None:
-                span = max(span, int(p.tree_start[s] + p.tree_size[s]))
-            # Slots before kv_start were never written (they may hold anything): not even read.
-            first = int(p.kv_start[s])
-            slots = torch.arange(first, span)
-            phys = p.block_table[s, slots // block] * block + slots % block
-            keys, values = self.k[phys.to(device)].float(), self.v[phys.to(device)].float()  # [S, Hkv, D]
-            visible = slots[None, :] < prefix[:, None]  # [n, S]
-            if p.tree_row is not None:
-                size, t0 = int(p.tree_size[s]), int(p.tree_start[s]) - first
-                for j, i in enumerate(range(a, b)):
-                    r = int(p.tree_row[i])
-                    if r >= 0:
-                        visible[j, t0:t0 + size] |= p.tree_mask[r:r + size].bool()
-            groups = q.shape[1] // keys.shape[1]
-            kk = keys.repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, S, D]
-            vv = values.repeat_interleave(groups, dim=1).transpose(0, 1)
-            mask = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf")).to(device)
-            o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), kk, vv, attn_mask=mask[None])
-            out[a:b] = o.transpose(0, 1).reshape(b - a, -1).to(out.dtype)
-        return out
 
 
 @dataclass(slots=True)
@@ -140,7 +74,7 @@ class Eagle3Drafter:
         head = self.head
         if feature.shape[-1] == 3 * self.config.target_hidden_size:  # the target's states: depth 1
             feature = head.fuse(feature)
-        out = head(embeds, feature, p.positions.to(feature.device), p, _FlatDraftAttention(k_rows, v_rows))
+        out = head(embeds, feature, p.positions.to(feature.device), p, FlatDraftAttention(k_rows, v_rows))
         if last_only:
             out = out.index_select(0, (p.q_start[1:] - 1).to(out.device))
         return out, head.logits(out)

@@ -6,6 +6,10 @@ target's feature at p and the token at p+1 ("the context"). While a draft tree g
 nodes being expanded take the slots after the context, in expansion order; they attend to
 the context and to their own ancestors only, and are dropped after the proposal (the next
 catch-up overwrites those slots with the accepted tokens' real entries).
+
+A drafting pass is described by a DraftPass over flattened rows (the native EAGLE-3 layer's
+terms), and the torch path attends through FlatDraftAttention: EAGLE's and EAGLE-3's drafters
+both run on it (spec/eagle.py's FeatureTreeProposer).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from specserve.kv.block_manager import BlockPool, KVCacheManager
 from specserve.model.config import ModelConfig
-from specserve.model.paged_attention import PagedAttentionMetadata, PagedKVCache
+from specserve.model.paged_attention import PagedKVCache
 
 
 @dataclass(slots=True)
@@ -102,21 +107,68 @@ class EagleKV:
             rows.append(table + [table[0]] * (n - len(table)))
         return torch.tensor(rows, dtype=torch.int64)
 
-    def metadata(self, tables: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 visible: torch.Tensor) -> PagedAttentionMetadata:
-        """tables [B, N] (host); positions, slots [B, T] (host; slot -1: padding, written to the
-        trash block); visible [B, T, S] bool (host), S <= N * block_size: which slots each
-        query attends to."""
-        bs = self.cache.block_size
-        pad = slots < 0
-        safe = slots.clamp(min=0)
-        write = torch.where(pad, self.cache.trash_block * bs, tables.gather(1, safe // bs) * bs + safe % bs)
-        mask = torch.zeros(visible.shape, dtype=self.cache.k.dtype).masked_fill_(~visible, float("-inf"))
-        n = tables.shape[1]
-        first_block = None
-        if tables.shape[0] == 1 and tables[0].tolist() == list(range(int(tables[0, 0]), int(tables[0, 0]) + n)):
-            first_block = int(tables[0, 0])
-        return PagedAttentionMetadata(
-            positions=positions.to(self.device), write_index=write.reshape(-1).to(self.device),
-            block_tables=tables.to(self.device), context_len=visible.shape[-1],
-            mask=mask[:, None].to(self.device), first_block=first_block)
+
+@dataclass(slots=True)
+class DraftPass:
+    """One drafting pass over flattened rows, in the native layer's terms (on the host).
+
+    Sequence s owns rows [q_start[s], q_start[s + 1]); row i writes its key and value to cache
+    row `write_rows[i]` and sees the sequence's slots [kv_start[s], prefix_len[i]) and, when
+    tree_row is set, the slots tree_start[s] + m with tree_mask[tree_row[i] + m] != 0."""
+
+    positions: torch.Tensor  # [N] int64 (RoPE)
+    write_rows: torch.Tensor  # [N] int64 physical cache rows
+    q_start: torch.Tensor  # [B + 1] int64
+    block_table: torch.Tensor  # [B, blocks] int64
+    block_size: int
+    prefix_len: torch.Tensor  # [N] int64
+    kv_start: torch.Tensor  # [B] int64
+    tree_row: torch.Tensor | None = None  # [N] int64 byte offset of each row's mask
+    tree_start: torch.Tensor | None = None  # [B]
+    tree_size: torch.Tensor | None = None  # [B]
+    tree_mask: torch.Tensor | None = None  # flat uint8
+
+
+class FlatDraftAttention:
+    """The attention interface (`attend(layer, q, k, v, meta)`) over a DraftPass: writes the
+    rows' keys and values to the cache, then each sequence's rows attend to their visible slots."""
+
+    def __init__(self, k_rows: torch.Tensor, v_rows: torch.Tensor):
+        self.k, self.v = k_rows[0], v_rows[0]  # [rows, Hkv, D]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: DraftPass) -> torch.Tensor:
+        """q [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq * D]."""
+        device = q.device
+        rows = p.write_rows.to(device)
+        self.k.index_copy_(0, rows, k.to(self.k.dtype))
+        self.v.index_copy_(0, rows, v.to(self.v.dtype))
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        block = p.block_size
+        starts = p.q_start.tolist()
+        for s in range(len(starts) - 1):
+            a, b = starts[s], starts[s + 1]
+            if a == b:
+                continue
+            prefix = p.prefix_len[a:b]
+            span = int(prefix.max())
+            if p.tree_row is not None:
+                span = max(span, int(p.tree_start[s] + p.tree_size[s]))
+            # Slots before kv_start were never written (they may hold anything): not even read.
+            first = int(p.kv_start[s])
+            slots = torch.arange(first, span)
+            phys = p.block_table[s, slots // block] * block + slots % block
+            keys, values = self.k[phys.to(device)].float(), self.v[phys.to(device)].float()  # [S, Hkv, D]
+            visible = slots[None, :] < prefix[:, None]  # [n, S]
+            if p.tree_row is not None:
+                size, t0 = int(p.tree_size[s]), int(p.tree_start[s]) - first
+                for j, i in enumerate(range(a, b)):
+                    r = int(p.tree_row[i])
+                    if r >= 0:
+                        visible[j, t0:t0 + size] |= p.tree_mask[r:r + size].bool()
+            groups = q.shape[1] // keys.shape[1]
+            kk = keys.repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, S, D]
+            vv = values.repeat_interleave(groups, dim=1).transpose(0, 1)
+            mask = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf")).to(device)
+            o = F.scaled_dot_product_attention(q[a:b].float().transpose(0, 1), kk, vv, attn_mask=mask[None])
+            out[a:b] = o.transpose(0, 1).reshape(b - a, -1).to(out.dtype)
+        return out
