@@ -176,7 +176,7 @@ def pool_size(loaded, prompt_lens: list[int], args: argparse.Namespace) -> dict[
     """LLM arguments sizing the KV pool for what verify runs at once, SAMPLE_BATCH requests:
     greedy ones of --max-tokens or sampled ones of --sample-tokens, within KV_POOL_BYTES but
     holding at least one request at the whole context."""
-    from specserve.model.paged_attention import PagedKVCache
+    from specserve.model.paged_kv import PagedKVCache
 
     cfg = loaded.config
     longest = max(prompt_lens)

@@ -1,5 +1,5 @@
 """The torch model's flattened pass (LlamaModel.forward_flat over flat_attention.py) against the
-padded per-request path (LlamaModel.forward over PagedKVCache.metadata): prompt chunks at
+padded per-request path (LlamaModel.forward over tests/paged_reference.py's cache): prompt chunks at
 nonzero starts, decodes, draft chains and token trees of ragged requests in one call, on
 shuffled block tables; the keys and values it writes; a request alone against inside a big
 batch; its attention against the native kernel's on the same FlatBatch.
@@ -21,7 +21,7 @@ from specserve.model import flat_attention
 from specserve.model.flat_attention import FlatKV, GatherBuffers, flat_metadata, group_requests
 from specserve.model.flat_batch import flat_batch
 from specserve.model.loader import load_model
-from specserve.model.paged_attention import PagedKVCache
+from tests.paged_reference import PagedReferenceCache
 
 TOL = 1e-5
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
@@ -45,9 +45,9 @@ def model(request, tiny):
     return tiny["loaded"].model if request.param == "cpu" else load_model(tiny["target"], device="cuda").model
 
 
-def _cache(model, num_blocks: int) -> PagedKVCache:
+def _cache(model, num_blocks: int) -> PagedReferenceCache:
     cfg = model.config
-    return PagedKVCache(cfg.num_layers, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
+    return PagedReferenceCache(cfg.num_layers, num_blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim, model.dtype, model.device)
 
 
 def _rows(pool: torch.Tensor) -> torch.Tensor:
@@ -61,7 +61,7 @@ def _tables(num_requests: int, blocks_each: int, seed: int) -> list[list[int]]:
     return [ids[i * blocks_each:(i + 1) * blocks_each] for i in range(num_requests)]
 
 
-def _prefill(model, cache: PagedKVCache, tables, starts, seed: int) -> None:
+def _prefill(model, cache: PagedReferenceCache, tables, starts, seed: int) -> None:
     """Write each request's history [0, start) through the padded path."""
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
@@ -71,7 +71,7 @@ def _prefill(model, cache: PagedKVCache, tables, starts, seed: int) -> None:
                 model(ids, cache.metadata([table], [0], [s]), cache)
 
 
-def _padded(model, cache: PagedKVCache, tables, starts, tokens, masks) -> list[torch.Tensor]:
+def _padded(model, cache: PagedReferenceCache, tables, starts, tokens, masks) -> list[torch.Tensor]:
     """Each request alone through the padded path -> its logits [T_i, V]."""
     with torch.inference_mode():
         return [model.compute_logits(model(torch.tensor([t], device=model.device),
@@ -79,7 +79,7 @@ def _padded(model, cache: PagedKVCache, tables, starts, tokens, masks) -> list[t
                 for tb, s, t, m in zip(tables, starts, tokens, masks)]
 
 
-def _flat(model, cache: PagedKVCache, tables, starts, tokens, masks) -> list[torch.Tensor]:
+def _flat(model, cache: PagedReferenceCache, tables, starts, tokens, masks) -> list[torch.Tensor]:
     """All requests in one flattened pass -> each request's logits [T_i, V]."""
     flat = flat_batch(tokens, tables, BLOCK, starts, masks)
     with torch.inference_mode():

@@ -1,4 +1,5 @@
-"""The paged KV cache computes the dense cache's attention: against an explicit-softmax
+"""The paged pool's semantics, through the padded paged attention kept as the flat path's
+reference (tests/paged_reference.py): it computes the dense cache's attention: against an explicit-softmax
 reference (float64) for shuffled block tables, ragged batches, prefill chunks, decode and k+1
 verification with rollback; and a whole model's logits against the dense cache's.
 
@@ -10,7 +11,8 @@ import torch
 
 from specserve.model.attention import DenseKVCache
 from specserve.model.hf_loader import load_hf_model, read_hf_config
-from specserve.model.paged_attention import PagedKVCache
+from specserve.model.paged_kv import PagedKVCache
+from tests.paged_reference import PagedReferenceCache
 from tests.helpers import make_tiny_checkpoint
 
 TOL = 1e-5
@@ -58,7 +60,7 @@ def test_attend_matches_explicit_softmax(device, bsz, block_size, contiguous):
     g = torch.Generator().manual_seed(bsz * 100 + block_size)
     blocks_each = -(-24 // block_size)
     num_blocks = bsz * blocks_each + 3
-    cache = PagedKVCache(2, num_blocks, block_size, HKV, D, torch.float32, device)
+    cache = PagedReferenceCache(2, num_blocks, block_size, HKV, D, torch.float32, device)
     tables = ([list(range(2, 2 + blocks_each))] if contiguous
               else shuffled_tables(bsz, blocks_each, num_blocks, seed=block_size))
     layer = 1
@@ -87,7 +89,7 @@ def test_attend_matches_explicit_softmax(device, bsz, block_size, contiguous):
 def test_rolled_back_slots_are_never_read(device):
     """After a rollback the stale slots hold NaN: one read of them would poison the output."""
     g = torch.Generator().manual_seed(7)
-    cache = PagedKVCache(1, 8, 4, HKV, D, torch.float32, device)
+    cache = PagedReferenceCache(1, 8, 4, HKV, D, torch.float32, device)
     table = [5, 1, 6, 3]
     k, v = torch.randn(1, 14, HKV, D, generator=g), torch.randn(1, 14, HKV, D, generator=g)
     q = torch.randn(1, 14, H, D, generator=g)
@@ -104,7 +106,7 @@ def test_rolled_back_slots_are_never_read(device):
 
 
 def test_metadata_positions_and_slots():
-    cache = PagedKVCache(1, 10, 4, HKV, D, torch.float32, "cpu")
+    cache = PagedReferenceCache(1, 10, 4, HKV, D, torch.float32, "cpu")
     dense = DenseKVCache(1, 2, 16, HKV, D, torch.float32, "cpu")
     meta = cache.metadata([[7, 2], [4, 0, 9]], [3, 6], [2, 3])
     assert torch.equal(meta.positions, dense.metadata([0, 1], [3, 6], [2, 3]).positions)
@@ -157,7 +159,7 @@ def test_model_logits_equal_dense_cache(tiny_model, device):
     cfg, model = load(tiny_model, device)
     g = torch.Generator().manual_seed(3)
     block_size = 4
-    paged = PagedKVCache(cfg.num_layers, 24, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
+    paged = PagedReferenceCache(cfg.num_layers, 24, block_size, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
     dense = DenseKVCache(cfg.num_layers, 2, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
     tables = shuffled_tables(2, 8, 24, seed=5)
     steps = [([0, 0], [5, 8]), ([5, 8], [8, 8]), ([13, 16], [1, 5]), ([14, 21], [1, 1]), ([15, 22], [1, 1]),
@@ -180,7 +182,7 @@ def test_model_rollback_equals_fresh_run(tiny_model, device):
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, cfg.vocab_size, (1, 30), generator=g).to(device)
     draft = torch.randint(0, cfg.vocab_size, (1, 4), generator=g).to(device)
-    paged = PagedKVCache(cfg.num_layers, 12, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
+    paged = PagedReferenceCache(cfg.num_layers, 12, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
     table = [9, 2, 7, 0, 11, 4, 5, 10]
     fresh = DenseKVCache(cfg.num_layers, 1, 64, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
     with torch.no_grad():
@@ -205,7 +207,7 @@ def test_model_rollback_equals_fresh_run(tiny_model, device):
 
 
 def test_group_rows():
-    from specserve.model.paged_attention import group_rows
+    from specserve.model.flat_attention import group_rows
     assert group_rows([100, 120, 90]) is None  # all within the floor: one call
     assert group_rows([600, 100, 120, 590]) == [[0, 3], [2, 1]]  # longest contexts first
     assert group_rows([600, 400, 350]) is None  # within a factor 2 of the longest
@@ -220,7 +222,7 @@ def test_grouped_rows_match_explicit_softmax(device):
     g = torch.Generator().manual_seed(11)
     bs, starts, lens = 16, [900, 40, 700, 10, 850, 3], [1, 3, 4, 1, 2, 5]
     blocks_each = -(-max(s + q for s, q in zip(starts, lens)) // bs)
-    cache = PagedKVCache(1, len(starts) * blocks_each + 1, bs, HKV, D, torch.float32, device)
+    cache = PagedReferenceCache(1, len(starts) * blocks_each + 1, bs, HKV, D, torch.float32, device)
     tables = shuffled_tables(len(starts), blocks_each, len(starts) * blocks_each + 1, seed=3)
     hist = [(torch.randn(s + q, HKV, D, generator=g), torch.randn(s + q, HKV, D, generator=g)) for s, q in zip(starts, lens)]
     for i, (hk, hv) in enumerate(hist):  # write each history up to its start

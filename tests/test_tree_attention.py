@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 
 from specserve.model.runner import ForwardBatch, ModelRunner
-from specserve.model.paged_attention import PagedKVCache
+from tests.paged_reference import PagedReferenceCache
 from specserve.drafts.tree import DraftTree
 
 TREE = DraftTree([11, 12, 13, 14, 15], [-1, -1, 0, 0, 1])  # depths 1 1 2 2 2
 
 
 def test_tree_metadata_positions_slots_and_mask():
-    cache = PagedKVCache(1, 8, 4, 1, 2, torch.float32, "cpu")
+    cache = PagedReferenceCache(1, 8, 4, 1, 2, torch.float32, "cpu")
     tables = [[3, 5, 6], [1, 2]]
     meta = cache.metadata(tables, [5, 2], [6, 3], [TREE.attention_mask(), None])
     assert meta.positions.tolist() == [[5, 6, 6, 7, 7, 7], [2, 3, 4, 0, 0, 0]]

@@ -9,7 +9,7 @@ import torch
 
 import specserve.engine.engine as engine_module
 from specserve.llm import LLM
-from specserve.model.paged_attention import PagedKVCache
+from specserve.model.paged_kv import PagedKVCache
 from specserve.sampling_params import SamplingParams
 from tests.helpers import generate_ids, ragged_prompts
 from tests.test_engine_paged import alone, assert_all_blocks_free

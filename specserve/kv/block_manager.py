@@ -1,7 +1,7 @@
 """Bookkeeping of the paged KV cache: which blocks each request holds, and the prefix cache.
 
 Pure Python: this module hands out block ids and never touches tensors (the runner turns block
-tables and slot mappings into tensors for `specserve.model.paged_attention`).
+tables and slot mappings into tensors for the flat path, `specserve.model.flat_attention`).
 
 A block is in exactly one of three states:
   - free: in the free list, holding nothing worth keeping;

@@ -16,7 +16,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
-from specserve.model.paged_attention import PagedKVCache
+from specserve.model.paged_kv import PagedKVCache
 
 # The default pool takes at most this share of the available memory: activations, the
 # proposer's own pool and the rest of the process need the remainder.

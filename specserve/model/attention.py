@@ -75,7 +75,7 @@ def window_mask(mask: torch.Tensor | None, q_pos: torch.Tensor, k_pos: torch.Ten
 def windowed_metadata(meta, window: int, dtype: torch.dtype):
     """The metadata of a padded pass (a dense or paged cache's) as its windowed layers read
     it: masks cut to the window (window_mask); key s sits at position s, or where a paged
-    pass's token tree puts it (PagedAttentionMetadata.key_positions). dtype: the cache's."""
+    pass's token tree puts it (`key_positions`, tests/paged_reference.py). dtype: the cache's."""
     s = meta.context_len
     k_pos = getattr(meta, "key_positions", None)
     if k_pos is None:

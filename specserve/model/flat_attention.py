@@ -29,7 +29,33 @@ import torch
 
 from specserve.model.attention import attention
 from specserve.model.flat_batch import FlatBatch
-from specserve.model.paged_attention import group_rows
+
+# Rows whose contexts lie within a factor 2 of the group's longest share one attention call (a
+# row then reads at most twice the keys it needs); contexts up to this many tokens count as this
+# many, so that short rows do not split into many small calls.
+_GROUP_MIN_CONTEXT = 256
+# Grouping is used only when it reads at most this fraction of the keys one padded call reads:
+# each extra group costs a few small ops per layer.
+_GROUP_MAX_COST = 0.75
+
+
+def group_rows(contexts: list[int]) -> list[list[int]] | None:
+    """Batch rows (by their context lengths) -> groups of rows to attend together, longest
+    contexts first; None when one call over all rows is as good. Reading keys is what costs on
+    a CPU: a batch of 64 rows at ~150 tokens and a few at ~600 reads 600 keys per row in one call."""
+    order = sorted(range(len(contexts)), key=lambda i: -contexts[i])
+    groups: list[list[int]] = []
+    top = 0
+    for i in order:
+        if not groups or 2 * max(contexts[i], _GROUP_MIN_CONTEXT) < top:
+            groups.append([])
+            top = contexts[i]
+        groups[-1].append(i)
+    if len(groups) == 1:
+        return None
+    grouped = sum(len(g) * contexts[g[0]] for g in groups)
+    return groups if grouped <= _GROUP_MAX_COST * len(contexts) * max(contexts) else None
+
 
 # The attention cost model of group_requests, in units of one (query token, key) pair through
 # SDPA (~0.035 us on the machine measured above): per request and key, whatever its query
@@ -207,7 +233,7 @@ def _transfer(tensors: list[torch.Tensor], device: torch.device) -> list[torch.T
 
 class GatherBuffers:
     """Gathered keys and values of one group, kept across groups, layers and passes: a fresh
-    tensor of several MB is page-faulted in at every call (see PagedKVCache._read)."""
+    tensor of several MB is page-faulted in at every call (measured on CPU, 1 thread, 64 rows x 304 keys: 1.6 ms against 11.2 per gather)."""
 
     def __init__(self):
         self._flat: list[torch.Tensor | None] = [None, None]  # 0: keys, 1: values; 1-d, grown

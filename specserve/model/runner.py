@@ -10,7 +10,7 @@ import torch
 from specserve.model.attention import DenseKVCache
 from specserve.model.flat_batch import FlatBatch, flat_batch
 from specserve.model.llama import LlamaModel
-from specserve.model.paged_attention import PagedKVCache
+from specserve.model.paged_kv import PagedKVCache
 
 
 @dataclass(slots=True)

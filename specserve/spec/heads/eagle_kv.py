@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from specserve.kv.block_manager import BlockPool, KVCacheManager
 from specserve.model.config import ModelConfig
-from specserve.model.paged_attention import PagedKVCache
+from specserve.model.paged_kv import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -1,17 +1,9 @@
-"""A paged KV cache behind the same `attend(layer, q, k, v, meta)` interface as DenseKVCache.
-
-Each request owns a list of fixed-size blocks (its block table, handed out by the engine's block
-allocator); position p of a request lives in block `table[p // block_size]` at offset
-`p % block_size`. Writes go through a flat slot index, reads gather the request's blocks in
-table order, so the model sees the same [B, Hkv, S, D] keys as with the dense cache.
-
-Rollback is the dense cache's: lowering a request's computed length (and freeing tail blocks)
-is all it takes, because a query at position p only sees keys at positions <= p of its own
-request, all of which were (re)written by then. A token tree (several draft branches in one
-pass) writes its nodes to the request's next slots in node order; after verification
-`move` copies the accepted path's entries down to the slots right after the root, where a
-chain would have put them, and the rest is rolled back like rejected chain drafts.
-"""
+"""The padded per-request paged attention the engine ran before the flat path (model/
+flat_attention.py) replaced it: requests as rows padded to the longest query and context, keys
+gathered block by block, one SDPA call per group of rows. Kept only as the tests' reference
+for the flat path (tests/test_flat_attention.py) and for the pool's rollback and tree
+semantics (tests/test_paged_attention.py); LlamaModel.forward runs over it as over the dense
+cache (the same `attend(layer, q, k, v, meta)` interface)."""
 
 from __future__ import annotations
 
@@ -20,6 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from specserve.model.attention import attention
+from specserve.model.flat_attention import group_rows
+from specserve.model.paged_kv import PagedKVCache
 
 
 @dataclass(slots=True)
@@ -62,82 +56,13 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [Bg, 1, T, context_len] additive, as PagedAttentionMetadata.mask
 
 
-# Rows whose contexts lie within a factor 2 of the group's longest share one attention call (a
-# row then reads at most twice the keys it needs); contexts up to this many tokens count as this
-# many, so that short rows do not split into many small calls.
-_GROUP_MIN_CONTEXT = 256
-# Grouping is used only when it reads at most this fraction of the keys one padded call reads:
-# each extra group costs a few small ops per layer.
-_GROUP_MAX_COST = 0.75
+class PagedReferenceCache(PagedKVCache):
+    """The pool with the padded paged attention on top (module note)."""
 
-
-def group_rows(contexts: list[int]) -> list[list[int]] | None:
-    """Batch rows (by their context lengths) -> groups of rows to attend together, longest
-    contexts first; None when one call over all rows is as good. Reading keys is what costs on
-    a CPU: a batch of 64 rows at ~150 tokens and a few at ~600 reads 600 keys per row in one call."""
-    order = sorted(range(len(contexts)), key=lambda i: -contexts[i])
-    groups: list[list[int]] = []
-    top = 0
-    for i in order:
-        if not groups or 2 * max(contexts[i], _GROUP_MIN_CONTEXT) < top:
-            groups.append([])
-            top = contexts[i]
-        groups[-1].append(i)
-    if len(groups) == 1:
-        return None
-    grouped = sum(len(g) * contexts[g[0]] for g in groups)
-    return groups if grouped <= _GROUP_MAX_COST * len(contexts) * max(contexts) else None
-
-
-class PagedKVCache:
-    """Per-layer K and V pools of fixed-size blocks, shared by all requests.
-
-    k, v: [num_layers, num_blocks + 1, block_size, Hkv, D]. Block `num_blocks` is a trash block
-    that padding tokens write into and nothing reads.
-
-    Layout: token-major blocks ([block_size, Hkv, D] per block, as in vLLM), for three reasons.
-    (1) A write is one index_copy_ into the flat [slots, Hkv, D] view, exactly the dense cache's
-    write. (2) It is the paged layout FlashAttention's kv-cache kernel takes
-    (k_cache [num_blocks, block_size, Hkv, D] plus a block table), so a CUDA decode kernel can
-    read these pools later without conversion. (3) Head-major blocks ([Hkv, block_size, D]) make
-    a gathered sequence contiguous per head, but measured on CPU (2 threads, Hkv=3, D=64,
-    block_size 16, SDPA included) that saved no time: 92 vs 102 us at B=1, S=1000, and was
-    slower at B=8 (779 vs 682 us); SDPA reads the strided [B, Hkv, S, D] view of a gather of
-    either layout at the same speed, as it does the dense cache's strided views.
-    """
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.trash_block = num_blocks
-        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Per-layer flat views [slots, Hkv, D] that writes index, made once (view ops cost
-        # microseconds each at this model size, see llama.py).
-        self.k_slots = [kl.flatten(0, 1) for kl in self.k]
-        self.v_slots = [vl.flatten(0, 1) for vl in self.v]
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         # Gathered keys and values of one attention call, reused by the next (see `_read`).
         self._gather = [self.k.new_empty((0, *self.k.shape[2:])) for _ in range(2)]
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """K and V of one block across all layers."""
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
-
-    @classmethod
-    def num_blocks_for_budget(cls, budget_bytes: int, num_layers: int, block_size: int, num_kv_heads: int,
-                              head_dim: int, dtype: torch.dtype) -> int:
-        """The most usable blocks whose pools (trash block included) fit in `budget_bytes`; 0 if
-        not even one does."""
-        per_block = cls.bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype)
-        return max(0, budget_bytes // per_block - 1)
-
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
 
     def metadata(self, block_tables: list[list[int]], start_positions: list[int], query_lens: list[int],
                  tree_masks: list[torch.Tensor | None] | None = None) -> PagedAttentionMetadata:
@@ -218,21 +143,6 @@ class PagedKVCache:
             groups=groups,
             key_positions=key_positions,
         )
-
-    def move(self, block_tables: list[list[int]], src_positions: list[list[int]],
-             dst_positions: list[list[int]]) -> None:
-        """Copy the keys and values at positions src_positions[i] of request i (whose blocks
-        are block_tables[i]) to its positions dst_positions[i], in every layer (tree
-        compaction). All sources are read before any destination is written, so a position may
-        be a source of one entry and the destination of another."""
-        bs, src, dst = self.block_size, [], []
-        for table, s, d in zip(block_tables, src_positions, dst_positions):
-            src += [table[p // bs] * bs + p % bs for p in s]
-            dst += [table[p // bs] * bs + p % bs for p in d]
-        s, d = torch.tensor(src, device=self.k.device), torch.tensor(dst, device=self.k.device)
-        for pool in (self.k, self.v):
-            flat = pool.view(pool.shape[0], -1, *pool.shape[3:])  # [L, slots, Hkv, D]
-            flat[:, d] = flat[:, s]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                meta: PagedAttentionMetadata) -> torch.Tensor:
