@@ -61,7 +61,8 @@ class EagleHead(nn.Module):
     """Feature-level autoregression: (embedding of token t+1, feature at t) -> feature at t+1.
 
     `forward` goes through the project's attention interface, so one module serves training
-    (an unrolled attention over a whole sequence) and drafting (a paged KV cache with tree masks).
+    (an unrolled attention over whole sequences) and drafting (flattened rows over the drafter's
+    paged KV with tree masks: heads/eagle_kv.py's FlatDraftAttention).
     """
 
     def __init__(self, layer_cfg: ModelConfig, positions: int | None = None):
@@ -74,8 +75,9 @@ class EagleHead(nn.Module):
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 meta, cache) -> torch.Tensor:
-        """token_embeds, features [B, T, H]; positions [B, T] (RoPE) -> predicted features [B, T, H].
-        `cache.attend(0, q, k, v, meta)` stores and attends (see model/attention.py)."""
+        """token_embeds, features [B, T, H] (training) or [N, H] (drafting's flattened rows);
+        positions [B, T] or [N] (RoPE) -> predicted features of the same shape.
+        `cache.attend(0, q, k, v, meta)` stores this pass's keys and values and attends."""
         x = self.fc(torch.cat((token_embeds, features), dim=-1))
         cos, sin = self.rotary.tables(positions, x.dtype)
         return self.layer(x, cos, sin, meta, cache)
