@@ -185,29 +185,31 @@ def test_a_request_that_stopped_drafting_probes_again():
     assert sum(p.chosen) == 2 * PROBE_EVERY and p.chosen[1] == 2
 
 
+def steps_to_next_probe(p: SpeculationPlanner, max_depth: int = 8, limit: int = 2 * PROBE_MAX) -> int:
+    """Plans for request "a" until one drafts (a probe, where drafting does not pay) -> how many."""
+    for n in range(1, limit + 1):
+        if p.plan(PassShape(1), [PlanRow("a", 10, max_depth)]).depths[0]:
+            return n
+    raise AssertionError("no probe")
+
+
 def test_probes_that_fail_back_off_and_an_accepted_one_resets_the_wait():
     """Unaccepted probes come after 16, 32, 64, 128, 128 idle steps; an accepted probe brings the
     wait back to PROBE_EVERY."""
     p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=8)
     learned(p, "a", 8, 0)
 
-    def steps_to_next_probe() -> int:
-        for n in range(1, 2 * PROBE_MAX + 1):
-            if p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0]:
-                return n
-        raise AssertionError("no probe")
-
     waits = []
     for _ in range(5):
-        waits.append(steps_to_next_probe())
+        waits.append(steps_to_next_probe(p))
         p.observe_verification("a", 1, 0)
     assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_MAX, PROBE_MAX]
-    assert steps_to_next_probe() == PROBE_MAX
+    assert steps_to_next_probe(p) == PROBE_MAX
     p.observe_verification("a", 1, 1)  # accepted, and at what it shows drafting pays again
     learned(p, "a", 8, 8)
     assert p.plan(PassShape(1), [PlanRow("a", 10, 8)]).depths[0] > 0
     learned(p, "a", 8, 0, times=300)  # then stops paying: probes start over at the shortest wait
-    assert steps_to_next_probe() == PROBE_EVERY
+    assert steps_to_next_probe(p) == PROBE_EVERY
     p.forget("a")
     assert "a" not in p.probe_every and "a" not in p.probing and "a" not in p.recheck
 
@@ -221,15 +223,9 @@ def test_accepted_probes_whose_drafting_does_not_pay_back_off_too():
     for d in range(1, 5):
         p.observe_step(PassShape(1 + d), 5e-3, 1.0, d)
 
-    def steps_to_next_probe() -> int:
-        for n in range(1, 2 * PROBE_MAX + 1):
-            if p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths[0]:
-                return n
-        raise AssertionError("no probe")
-
     waits = []
     for _ in range(5):
-        waits.append(steps_to_next_probe())
+        waits.append(steps_to_next_probe(p, 4))
         p.observe_verification("a", 1, 1)
     assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, PROBE_MAX, PROBE_MAX]
 
@@ -373,10 +369,7 @@ def test_probes_cost_at_most_their_budget_of_the_time():
         learned(p, "a", 4, 0)
         if probe_s is not None:
             p.observe_step(PassShape(1), 5e-3, probe_s, 1, probe=True)
-        for n in range(1, 10 * PROBE_MAX):
-            if p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths[0]:
-                return n
-        raise AssertionError("no probe")
+        return steps_to_next_probe(p, 4, limit=10 * PROBE_MAX)
 
     assert first_probe(None) == first_probe(1e-5) == PROBE_EVERY
     pass_s = linear_cost(5e-3, 1e-4).predict(PassShape(1))

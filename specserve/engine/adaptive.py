@@ -109,6 +109,11 @@ class Plan:
         return min(1.0, self.row_s * self.expected_tokens / self.predicted_s) if self.predicted_s > 0 else 0.0
 
 
+def _average(old: float | None, new: float) -> float:
+    """An exponential average at PROPOSER_RATE, started by its first value."""
+    return new if old is None else old + PROPOSER_RATE * (new - old)
+
+
 class SpeculationPlanner:
     """Chooses draft lengths (`plan`) and learns from what each step did (`observe_*`)."""
 
@@ -266,10 +271,9 @@ class SpeculationPlanner:
         after a long pause would look dearer with every pause, and pauses grow longer."""
         self.cost.observe(shape, pass_s)
         if probe:
-            self.probe_s = drafting_s if self.probe_s is None else self.probe_s + PROPOSER_RATE * (drafting_s - self.probe_s)
+            self.probe_s = _average(self.probe_s, drafting_s)
         elif deepest > 0:
-            old = self.proposer_s[deepest]
-            self.proposer_s[deepest] = drafting_s if old is None else old + PROPOSER_RATE * (drafting_s - old)
+            self.proposer_s[deepest] = _average(self.proposer_s[deepest], drafting_s)
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

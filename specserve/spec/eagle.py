@@ -172,7 +172,7 @@ class FeatureTreeProposer(Proposer):
         positions = np.arange(ends[-1]) + (starts - (ends - counts))[seq]  # [N]
         tokens = torch.tensor([t for r in rows for t in r.next_tokens] if len(rows) > 1 else rows[0].next_tokens,
                               dtype=torch.long)
-        states = torch.cat([r.states for r in rows]) if len(rows) > 1 else rows[0].states  # [N, 3 Ht]
+        states = torch.cat([r.states for r in rows]) if len(rows) > 1 else rows[0].states  # [N, F]
         p = DraftPass(torch.from_numpy(positions), torch.from_numpy(self._rows_of(tables.numpy(), positions, seq)),
                       torch.from_numpy(np.concatenate(([0], ends))), tables, self.block_size,
                       torch.from_numpy(positions + 1),

@@ -104,19 +104,21 @@ class BatchGenerator:
 
         # Prefill in passes of up to PREFILL_TOKENS prompt tokens: logits at each prompt's end.
         last = torch.empty(n, dtype=torch.int64, device=device)
-        group: list[int] = []
 
-        def prefill() -> None:
+        def prefill(group: list[int]) -> None:
             out = runner.forward(ForwardBatch(group, [0] * len(group), [prompts[i] for i in group], all_logits=False))
             idx = torch.tensor(group, device=device)
             last[idx] = choose_tokens(out.logits[:, 0], temperature[idx], top_p[idx], noise)
-            group.clear()
 
+        group: list[int] = []
+        tokens = 0
         for i in sorted(range(n), key=lambda i: len(prompts[i])):
-            if group and sum(len(prompts[j]) for j in group) + len(prompts[i]) > PREFILL_TOKENS:
-                prefill()
+            if group and tokens + len(prompts[i]) > PREFILL_TOKENS:
+                prefill(group)
+                group, tokens = [], 0
             group.append(i)
-        prefill()
+            tokens += len(prompts[i])
+        prefill(group)
 
         alive = list(range(n))
         chosen = last.tolist()

@@ -86,6 +86,14 @@ class TrainDraftConfig:
         return "engine" if device_type == "cpu" else "batch"
 
     @property
+    def data_seconds(self) -> float | None:
+        return None if self.data_minutes is None else 60 * self.data_minutes
+
+    @property
+    def train_seconds(self) -> float | None:
+        return None if self.train_minutes is None else 60 * self.train_minutes
+
+    @property
     def score_depth(self) -> int:
         return self.eval_depth if self.method in ("eagle", "eagle3") else self.depth
 

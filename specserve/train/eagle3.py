@@ -92,10 +92,6 @@ def new_trainee(target: LoadedModel, draft_ids: torch.Tensor) -> Eagle3Trainee:
     return Eagle3Trainee(head, _DraftHead(head), target.model.embed_tokens, _Method(len(draft_ids)))
 
 
-def _seconds(minutes: float | None) -> float | None:
-    return None if minutes is None else 60 * minutes
-
-
 def _final_norm(target: LoadedModel) -> torch.Tensor:
     model = target.model
     norm = getattr(model, "norm", None)
@@ -115,7 +111,7 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
     plan = DataPlan(prompts, cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size,
                     record=False, generator=cfg.generator_on(target.model.device.type))
     cache = Path(cfg.cache).expanduser() if cfg.cache else out / "cache"
-    shards = build_data(target, plan, conversations, cache, _seconds(cfg.data_minutes))
+    shards = build_data(target, plan, conversations, cache, cfg.data_seconds)
     data = load_data(shards)
     layers = default_aux_layers(target.config.num_layers)
     attach_states(target, data, shards, layers)
@@ -164,7 +160,7 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
         return {"held_out": report.as_dict()}
 
     t1 = time.perf_counter()
-    plan_t = TrainPlan(cfg.epochs, cfg.lr, cfg.seed, cfg.depth, cfg.tokens_per_batch, _seconds(cfg.train_minutes))
+    plan_t = TrainPlan(cfg.epochs, cfg.lr, cfg.seed, cfg.depth, cfg.tokens_per_batch, cfg.train_seconds)
     state = train_epochs(trainee, opt, data, train_ids, plan_t, index, state, ckpt, after_epoch)
     log(f"trained {cfg.epochs} epochs in {time.perf_counter() - t1:.0f}s")
     # The figures of record are those of the saved weights (rounded to save_dtype), reloaded.

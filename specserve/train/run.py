@@ -39,8 +39,7 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> tuple[Path, HeldOutReport]:
     plan = DataPlan(prompts, cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size,
                     generator=cfg.generator_on(target.model.device.type))
     cache = Path(cfg.cache).expanduser() if cfg.cache else out / "cache"
-    data = load_data(build_data(target, plan, conversations, cache,
-                                None if cfg.data_minutes is None else 60 * cfg.data_minutes))
+    data = load_data(build_data(target, plan, conversations, cache, cfg.data_seconds))
     t_data = time.perf_counter() - t0
     train_ids, held_ids = split(len(data), cfg.held_out, cfg.seed)
     log(f"data: {len(data)} sequences ({data.num_answer_tokens(train_ids)} answer tokens to train on, "
@@ -76,8 +75,7 @@ def train_draft(cfg: TrainDraftConfig, log=print) -> tuple[Path, HeldOutReport]:
         return {"held_out": report.as_dict()}
 
     t1 = time.perf_counter()
-    train_plan = TrainPlan(cfg.epochs, cfg.lr, cfg.seed, cfg.depth, cfg.tokens_per_batch,
-                           None if cfg.train_minutes is None else 60 * cfg.train_minutes)
+    train_plan = TrainPlan(cfg.epochs, cfg.lr, cfg.seed, cfg.depth, cfg.tokens_per_batch, cfg.train_seconds)
     state = train_epochs(drafter, opt, data, train_ids, train_plan, index, state, ckpt, after_epoch)
     log(f"trained {cfg.epochs} epochs in {time.perf_counter() - t1:.0f}s")
 
