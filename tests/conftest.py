@@ -50,6 +50,16 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def smollm_native():
+    """The embedded SmolLM2 as users run it: its Q4_1 blocks on the native kernels (5x the float32
+    torch path's speed here, which is why the embedded model's end-to-end speculation tests run
+    on it; the torch path's speculation is what the tiny models' tests cover)."""
+    from specserve.model.loader import load_model
+
+    return load_model("default")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm(smollm_gguf_path):
     """transformers' own load of the same GGUF (dequantized to float32): the numerical reference."""
     import transformers

@@ -240,14 +240,14 @@ def test_sampled_bench_has_no_identity_figure(tmp_path):
                "--max-model-len", "8"])
 
 
-def test_bench_on_the_embedded_model_through_the_chat_template(tmp_path, capsys, smollm):
+def test_bench_on_the_embedded_model_through_the_chat_template(tmp_path, capsys, smollm_native):
     out = tmp_path / "r.json"
     assert bench(["--workload", "spec_bench", "--categories", "writing", "--limit", "2", "--max-tokens", "8",
                   "--methods", "none,ngram", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["workload"]["categories"] == {"writing": 2}
     texts = [p.text for p in load_workload("spec_bench")[:2]]
-    chat = [smollm.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    chat = [smollm_native.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
     assert doc["workload"]["prompt_tokens"] == sum(map(len, chat))
     assert [r["identical_to_baseline"] for r in doc["results"]] == [1.0, 1.0]
     assert "machine: cpu" in capsys.readouterr().out

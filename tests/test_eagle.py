@@ -169,14 +169,14 @@ def test_command_lines_name_the_drafter_and_its_tree():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_num_seqs", [1, 2])
-def test_smollm_untrained_eagle_greedy_equals_plain(smollm, tmp_path, max_num_seqs):
+def test_smollm_untrained_eagle_greedy_equals_plain(smollm_native, tmp_path, max_num_seqs):
     torch.manual_seed(0)
-    save_drafter(tmp_path / "d", new_drafter(smollm, "eagle", torch.arange(4096)))
+    save_drafter(tmp_path / "d", new_drafter(smollm_native, "eagle", torch.arange(4096)))
     msgs = [[{"role": "user", "content": p}] for p in
             ("Name three rivers.", "Repeat: red, green, blue, red, green, blue.")]
     params = SamplingParams(temperature=0, max_tokens=16)
-    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=max_num_seqs,
+    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm_native, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
+    llm = LLM(loaded=smollm_native, max_num_seqs=max_num_seqs,
               speculative_config={"method": "eagle", "model": str(tmp_path / "d"), "num_speculative_tokens": 4})
     outs = llm.chat(msgs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
@@ -184,14 +184,14 @@ def test_smollm_untrained_eagle_greedy_equals_plain(smollm, tmp_path, max_num_se
 
 
 @pytest.mark.slow
-def test_shipped_drafter_speculates_losslessly_on_smollm(smollm):
+def test_shipped_drafter_speculates_losslessly_on_smollm(smollm_native):
     """The committed drafter (model "default"), batched, on prompts of no training set. A fixed
     depth: the figure checked is the drafter's acceptance, which adaptive depths (auto) would
     mix with whether drafting pays on this machine's path (on the generic level it may not)."""
     msgs = [[{"role": "user", "content": p}] for p in ("Why do cats purr?", "List the planets of the solar system.")]
     params = SamplingParams(temperature=0, max_tokens=24)
-    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=2,
+    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm_native, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
+    llm = LLM(loaded=smollm_native, max_num_seqs=2,
               speculative_config={"method": "eagle", "model": "default", "num_speculative_tokens": 4})
     outs = llm.chat(msgs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain

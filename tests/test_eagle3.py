@@ -13,7 +13,6 @@ from specserve.config import EngineConfig
 from specserve.drafts import SpecRequest
 from specserve.llm import LLM
 from specserve.model.attention import attention
-from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec.eagle3 import Eagle3Proposer
 from specserve.spec.heads.eagle3 import Eagle3Head
@@ -166,11 +165,6 @@ def test_greedy_eagle3_equals_plain_on_the_torch_path(tiny, tmp_path, max_num_se
     assert llm.engine.proposer.drafter.native is None
     got, stats = outputs(llm, prompts)
     assert got == plain and stats.num_drafted > 0
-
-
-@pytest.fixture(scope="module")
-def smollm_native():
-    return load_model("default")
 
 
 @pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")

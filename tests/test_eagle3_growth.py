@@ -13,7 +13,6 @@ from specserve import native
 from specserve.config import EngineConfig
 from specserve.drafts import SpecRequest
 from specserve.drafts.tree import DraftTree
-from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec import eagle
 from specserve.spec.eagle3 import Eagle3Proposer
@@ -186,11 +185,6 @@ def test_growth_equals_the_reference_on_the_torch_path(tiny, monkeypatch, scale,
     head = random_head(target, vocab=list(range(3, 60)), scale=scale)
     drafter = Eagle3Drafter(head.config, head, target.model.embed_tokens, None)
     assert run_side_by_side(drafter, target, monkeypatch, depths=[4, 2, 5], nodes=[7, 3, 12], topk=topk, vocab=64) == 9
-
-
-@pytest.fixture(scope="module")
-def smollm_native():
-    return load_model("default")
 
 
 @pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")

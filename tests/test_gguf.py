@@ -114,6 +114,45 @@ def test_missing_and_corrupt_files_give_clear_errors(tmp_path, monkeypatch):
         load_model(empty_dir)
 
 
+@pytest.mark.parametrize("endianess", ["little", "big"])
+def test_metadata_arrays_read_whole_equal_the_gguf_package(tmp_path, endianess):
+    """open_gguf reads metadata arrays whole (a vocabulary took seconds element by element):
+    every field's contents and types equal the gguf package's own reader, strings with
+    multi-byte characters, numeric and empty arrays, arrays of arrays, either byte order."""
+    import gguf
+
+    from specserve.model.gguf_loader import open_gguf
+
+    path = tmp_path / f"{endianess}.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=getattr(gguf.GGUFEndian, endianess.upper()))
+    writer.add_array("tokenizer.ggml.tokens", ["<s>", "", "héllo", "日本語 🚀", "a" * 300])
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.25, 3.0])
+    writer.add_array("tokenizer.ggml.token_type", [1, 3, 6])
+    writer.add_array("x.empty", [])
+    writer.add_array("x.nested", [[1, 2], [3]])
+    writer.add_string("x.text", "plain")
+    writer.add_uint32("x.number", 7)
+    writer.add_tensor("token_embd.weight", np.arange(8, dtype=np.float32).reshape(2, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = open_gguf(path), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, f in ours.fields.items():
+        assert (f.contents(), f.types) == (theirs.fields[key].contents(), theirs.fields[key].types), key
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[3] == "日本語 🚀"
+    assert len(ours.fields["tokenizer.ggml.tokens"].data) == 5
+    assert [t.name for t in ours.tensors] == ["token_embd.weight"]
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+    data = path.read_bytes()  # a string's length running past the end of the file: a clear error
+    cut = data.index(b"a" * 300)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(data[:cut + 10])
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        open_gguf(truncated)
+
+
 def test_unsupported_architecture_and_quantization_are_named(tmp_path):
     import gguf
 

@@ -195,11 +195,11 @@ def test_lookahead_settings_apply_to_lookahead_only():
 
 # ---- end to end --------------------------------------------------------------------------------
 
-def test_smollm_lookahead_greedy_equals_plain(smollm):
+def test_smollm_lookahead_greedy_equals_plain(smollm_native):
     """The embedded model, the default W, N, G at the depth of their whole tree (a fixed depth:
     under "auto" how much is drafted depends on the machine's timings), three requests in
     flight in the paged engine."""
-    llm = assert_smollm_greedy_equals_plain(smollm, {"method": "lookahead", "num_speculative_tokens": 2},
+    llm = assert_smollm_greedy_equals_plain(smollm_native, {"method": "lookahead", "num_speculative_tokens": 2},
                                             max_num_seqs=3, max_tokens=24)
     assert_all_blocks_free(llm)
 

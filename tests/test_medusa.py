@@ -64,13 +64,13 @@ def test_medusa_folder_without_a_tree_is_refused(tiny, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_num_seqs", [1, 2])
-def test_smollm_medusa_greedy_equals_plain(smollm, tmp_path, max_num_seqs):
-    folder = untrained_medusa(smollm, tmp_path / "m", vocab=torch.arange(8192))
+def test_smollm_medusa_greedy_equals_plain(smollm_native, tmp_path, max_num_seqs):
+    folder = untrained_medusa(smollm_native, tmp_path / "m", vocab=torch.arange(8192))
     msgs = [[{"role": "user", "content": p}] for p in
             ("Count from one to ten in words.", "Repeat: one one two two three three.")]
     params = SamplingParams(temperature=0, max_tokens=16)
-    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
-    llm = LLM(loaded=smollm, max_num_seqs=max_num_seqs,
+    plain = [o.outputs[0].token_ids for o in LLM(loaded=smollm_native, max_num_seqs=1).chat(msgs, params, use_tqdm=False)]
+    llm = LLM(loaded=smollm_native, max_num_seqs=max_num_seqs,
               speculative_config={"method": "medusa", "model": folder, "num_speculative_tokens": 4})
     outs = llm.chat(msgs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain

@@ -25,11 +25,6 @@ pytestmark = pytest.mark.skipif(native.load() is None, reason=f"native kernels u
 LEVELS = [int(lvl) for lvl in native_levels()]  # generic .. the highest level the kernels run here
 
 
-@pytest.fixture(scope="module")
-def smollm_native():
-    return load_model("default")
-
-
 def test_quantized_gguf_takes_the_native_path_and_an_explicit_dtype_the_torch_one(smollm_native, tiny):
     assert getattr(smollm_native.model, "native", False)
     assert "Q4_1/Q8_0" in smollm_native.kernels and "native kernels" in smollm_native.kernels

@@ -226,13 +226,13 @@ def test_models_health_metrics(server, client):
 
 
 @pytest.mark.slow
-def test_embedded_model_chat_equals_offline(smollm):
+def test_embedded_model_chat_equals_offline(smollm_native):
     """The real model behind the server: greedy chat through the openai client, with n-gram
     speculation, streamed and not, equals the offline API's plain greedy answer."""
     messages = [{"role": "user", "content": "List the first five prime numbers, then repeat the list."}]
-    plain = LLM(loaded=smollm, max_num_seqs=1).chat(messages, SamplingParams(temperature=0, max_tokens=40),
+    plain = LLM(loaded=smollm_native, max_num_seqs=1).chat(messages, SamplingParams(temperature=0, max_tokens=40),
                                                     use_tqdm=False)[0].outputs[0].text
-    llm = LLM(loaded=smollm, speculative_config=NGRAM, max_num_seqs=4)
+    llm = LLM(loaded=smollm_native, speculative_config=NGRAM, max_num_seqs=4)
     with RunningServer(llm, name="smollm2") as s:
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         r = c.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, temperature=0)

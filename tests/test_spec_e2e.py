@@ -54,10 +54,10 @@ def test_tiny_greedy_speculation_equals_plain(tiny, spec, max_num_seqs):
         assert stats.mean_accepted_length > 2.5
 
 
-def test_draft_identical_to_target_accepts_everything_on_smollm(smollm):
+def test_draft_identical_to_target_accepts_everything_on_smollm(smollm_native):
     msgs = [{"role": "user", "content": "List three colours."}]
-    plain = LLM(loaded=smollm, max_num_seqs=1).chat(msgs, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
-    llm = LLM(loaded=smollm, max_num_seqs=1,
+    plain = LLM(loaded=smollm_native, max_num_seqs=1).chat(msgs, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    llm = LLM(loaded=smollm_native, max_num_seqs=1,
               speculative_config={"method": "draft_model", "model": "default", "num_speculative_tokens": 3})
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
@@ -101,8 +101,8 @@ def assert_smollm_greedy_equals_plain(smollm, spec: dict, max_num_seqs: int = 1,
     return llm
 
 
-def test_smollm_ngram_greedy_equals_plain(smollm):
-    assert_smollm_greedy_equals_plain(smollm, {"method": "ngram", "num_speculative_tokens": 4})
+def test_smollm_ngram_greedy_equals_plain(smollm_native):
+    assert_smollm_greedy_equals_plain(smollm_native, {"method": "ngram", "num_speculative_tokens": 4})
 
 
 def test_rejected_draft_entries_are_never_read(tiny):

@@ -193,9 +193,9 @@ def test_tiny_greedy_suffix_equals_plain_twice_through(tiny):
     assert b.acceptance_by_position[0] > max(0.8, a.acceptance_by_position[0])  # the answers were remembered
 
 
-def test_smollm_greedy_suffix_equals_plain(smollm):
+def test_smollm_greedy_suffix_equals_plain(smollm_native):
     """Twice through one engine: the second time drafts from the global tree."""
-    assert_smollm_greedy_equals_plain(smollm, {"method": "suffix"}, max_num_seqs=3, max_tokens=48, rounds=2)
+    assert_smollm_greedy_equals_plain(smollm_native, {"method": "suffix"}, max_num_seqs=3, max_tokens=48, rounds=2)
 
 
 def test_suffix_sampling_has_the_target_distribution(micro):  # noqa: F811

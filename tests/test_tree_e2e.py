@@ -114,7 +114,7 @@ def test_seeded_sampling_with_trees_is_reproducible(tiny, counts, prompts32):
 
 
 @pytest.mark.slow
-def test_smollm_tree_greedy_equals_plain(smollm, counts):
+def test_smollm_tree_greedy_equals_plain(smollm_native, counts):
     for max_num_seqs in (1, 3):
-        assert_smollm_greedy_equals_plain(smollm, TREE, max_num_seqs=max_num_seqs, max_tokens=32)
+        assert_smollm_greedy_equals_plain(smollm_native, TREE, max_num_seqs=max_num_seqs, max_tokens=32)
     assert counts["trees"] > 0
