@@ -40,14 +40,20 @@ def fp16_bytes(values) -> np.ndarray:
 def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Raw GGUF rows uint8 [rows, row_bytes]. The gguf package quantizes Q4_0, Q4_1 and Q8_0 (from
     normal weights); the other formats' blocks are random bytes (every bit pattern of Q5_0's and
-    Q5_1's fifth bits, every IQ4_NL table entry) with sane fp16 scales of either sign, and the last
-    rows take the largest block sums the formats allow (every weight at its extreme)."""
+    Q5_1's fifth bits, every IQ4_NL table entry) with sane fp16 scales of either sign, the last
+    row takes the largest block sums the formats allow (every weight at its extreme) and the one
+    before it every stored value at its largest (the largest int16 sums the AVX2 and AVX-512
+    levels add before widening)."""
     rng = np.random.default_rng(seed)
     t = Q[fmt]
-    if fmt in ("Q4_0", "Q4_1", "Q8_0"):
-        return quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
     block, size = GGML_QUANT_SIZES[t]
+    if fmt in ("Q4_0", "Q4_1", "Q8_0"):
+        raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), t).reshape(rows, cols // block, size)
+        if fmt != "Q8_0" and rows > 1:  # every stored value at 15: the largest int16 runs of pair sums (qgemm_simd.inc)
+            raw[-2, :, 2 * len([a for a in SCALE_AT[fmt] if a is not None]):] = 0xFF
+        return raw.reshape(rows, -1)
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    raw[-min(2, rows)] = 0xFF  # every stored value at its largest (the fp16 fields are set below)
     if fmt == "Q6_K":  # q = 0 (weight -32) everywhere, scales -128: |I| = 4096 * 127 * 32, just under 2^24
         raw[-1, :, :192], raw[-1, :, 192:208] = 0, 0x80
     else:

@@ -19,6 +19,7 @@ namespace {
 constexpr int kRows = 8;
 constexpr int kTileTokens = 4;
 constexpr bool kScaleInDot = true;
+constexpr bool kGroupMajor = true;  // 16 registers
 constexpr int kQ8Bias = 0;
 using VI = __m256i;
 using VF = __m256;
@@ -49,6 +50,9 @@ inline VI shl32(VI v, int n) { return _mm256_slli_epi32(v, n); }
 inline VI dot4(VI acc, VI w, VI a, VI scale) {  // |w| <= 128, |a| <= 127: no saturation
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), scale));
 }
+inline VI pairs16(VI w, VI a) { return _mm256_maddubs_epi16(w, a); }
+inline VI add16(VI a, VI b) { return _mm256_add_epi16(a, b); }
+inline void pin(VI& v) { __asm__("" : "+x"(v)); }
 inline void q8_weights(VI q, VI& w, Q8Sign& sign) {
   w = _mm256_abs_epi8(q);
   sign = q;
