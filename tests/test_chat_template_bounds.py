@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from pathlib import Path
 
 import gguf
 import httpx
@@ -203,6 +205,19 @@ def test_prompt_preparation_leaves_event_loop_free(tiny, monkeypatch, path, body
         assert out["response"].status_code == 200
 
 
+def _children_cpu_ticks(pid: int) -> int:
+    """CPU time (clock ticks) the process's children have used: the render worker's."""
+    ticks = 0
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            try:
+                fields = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks
+
+
 def test_sigterm_stops_server_during_endless_template(tiny, tmp_path):
     from tests.test_server_cli import start
 
@@ -214,7 +229,14 @@ def test_sigterm_stops_server_during_endless_template(tiny, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": LOOP}))
     proc, url, lines = start(str(folder), "--grace-period", "30")
     try:
+        idle = _children_cpu_ticks(proc.pid)  # the render worker's start-up
         thread, out = _post_in_thread(url, "/v1/chat/completions", {"messages": HI, "max_tokens": 2})
+        # SIGTERM only once the render worker spins on the template: sent earlier, on a loaded
+        # machine, it once closed the listening socket before the request had connected.
+        deadline = time.monotonic() + 30
+        while _children_cpu_ticks(proc.pid) < idle + 5:
+            assert time.monotonic() < deadline and thread.is_alive(), ("the render never started", out, "".join(lines))
+            time.sleep(0.02)
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, "".join(lines)
