@@ -422,8 +422,8 @@ def test_parallel_tool_calls_false_and_history_are_accepted(caller):
 # ---- the server on the embedded model --------------------------------------------------------
 
 
-def test_the_embedded_model_answers_tool_requests_in_shape(smollm):
-    llm = LLM(loaded=smollm, max_num_seqs=2)
+def test_the_embedded_model_answers_tool_requests_in_shape(smollm_native):
+    llm = LLM(loaded=smollm_native, max_num_seqs=2)
     with RunningServer(llm, name="smollm2") as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -102,7 +102,7 @@ def test_prompt_file_refuses_spec_bench_and_drops_its_prompts(tmp_path):
         read_prompt_file(path)
 
 
-def test_user_turn_prefix_ends_where_the_user_speaks(smollm):
-    tok = smollm.tokenizer
+def test_user_turn_prefix_ends_where_the_user_speaks(smollm_native):
+    tok = smollm_native.tokenizer
     prefix = tok.decode(user_turn_prefix(tok), skip_special_tokens=False)
     assert prefix.endswith("<|im_start|>user\n") and "system" in prefix
