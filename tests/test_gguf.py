@@ -151,6 +151,11 @@ def test_metadata_arrays_read_whole_equal_the_gguf_package(tmp_path, endianess):
     truncated.write_bytes(data[:cut + 10])
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         open_gguf(truncated)
+    scores = data.index(np.array([0.5, -1.25, 3.0], dtype=np.dtype(np.float32).newbyteorder(
+        "<" if endianess == "little" else ">")).tobytes())
+    truncated.write_bytes(data[:scores + 8])  # a numeric array cut after two of its three values
+    with pytest.raises(ModelLoadError, match="runs past the end of the file"):
+        open_gguf(truncated)
 
 
 def test_unsupported_architecture_and_quantization_are_named(tmp_path):

@@ -88,6 +88,8 @@ class _PlainReader(GGUFReader):
         nptype = self.gguf_scalar_to_np.get(itype)
         if nptype is not None:
             values = self._get(offs, nptype, count)
+            if len(values) != count:
+                raise ValueError(f"the array at offset {orig_offs} runs past the end of the file")
             return 12 + int(values.nbytes), [raw_itype, alen, values], [2] if count else [], types
         if itype != GGUFValueType.STRING:  # arrays of arrays: the package's own parse
             return super()._get_field_parts(orig_offs, raw_type)
