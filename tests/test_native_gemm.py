@@ -50,7 +50,7 @@ def random_raw(fmt: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     if fmt in ("Q4_0", "Q4_1", "Q8_0"):
         raw = quantize(rng.standard_normal((rows, cols)).astype(np.float32), t).reshape(rows, cols // block, size)
         if fmt != "Q8_0" and rows > 1:  # every stored value at 15: the largest int16 runs of pair sums (qgemm_simd.inc)
-            raw[-2, :, 2 * len([a for a in SCALE_AT[fmt] if a is not None]):] = 0xFF
+            raw[-2, :, -block // 2:] = 0xFF  # the block's 16 bytes of nibbles, after its fp16 fields
         return raw.reshape(rows, -1)
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     raw[-min(2, rows)] = 0xFF  # every stored value at its largest (the fp16 fields are set below)
