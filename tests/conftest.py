@@ -1,3 +1,4 @@
+import contextlib
 import importlib.metadata
 import os
 from pathlib import Path
@@ -59,14 +60,54 @@ def smollm_native():
     return load_model("default")
 
 
+_GGUF_READERS: dict[str, object] = {}
+
+
+def gguf_reader(path):
+    """The gguf package's reader of a file, built once per process: a GGUFReader parses every
+    metadata array when it opens (~6 s for a 49k-token vocabulary on these cores), and the
+    references here (transformers' loads, the tokenizer tests) read the same few files."""
+    from gguf.gguf_reader import GGUFReader  # the class itself, whatever gguf_read_once patches
+
+    key = str(Path(path).resolve())
+    if key not in _GGUF_READERS:
+        _GGUF_READERS[key] = GGUFReader(key)
+    return _GGUF_READERS[key]
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """transformers' GGUF load as it is, with two of the gguf package's pure functions answered
+    once: the load opens the file twice (config, then weights) and asks for the same tensor-name
+    map once per module (~400 times, ~18 ms each). What the load computes is unchanged."""
+    import gguf
+
+    name_maps: dict[tuple, object] = {}
+    plain_reader, plain_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, *args, **kwargs):
+        return plain_reader(path, *args, **kwargs) if args or kwargs else gguf_reader(path)
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in name_maps:
+            name_maps[(arch, n_blocks)] = plain_map(arch, n_blocks)
+        return name_maps[(arch, n_blocks)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", name_map)
+        yield
+
+
 @pytest.fixture(scope="session")
 def hf_smollm(smollm_gguf_path):
     """transformers' own load of the same GGUF (dequantized to float32): the numerical reference."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm_gguf_path.parent), gguf_file=smollm_gguf_path.name, dtype=torch.float32
-    ).eval()
+    with gguf_read_once():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(smollm_gguf_path.parent), gguf_file=smollm_gguf_path.name, dtype=torch.float32
+        ).eval()
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import gguf
 import httpx
 import pytest
 
@@ -23,6 +22,7 @@ from specserve.tokenizer import Tokenizer
 from specserve.tokenizer import render_worker
 from specserve.tokenizer.chat import CHATML_TEMPLATE, ChatTemplate, RenderBounds, TemplateBoundsError
 from specserve.tokenizer.render_worker import RenderWorker
+from tests.conftest import gguf_reader
 from tests.server_helpers import RunningServer
 
 LOOP = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}x"
@@ -103,7 +103,7 @@ def test_worker_child_imports_no_torch():
 
 @pytest.fixture(scope="module")
 def tok(smollm_gguf_path) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(smollm_gguf_path))
+    return Tokenizer.from_gguf(gguf_reader(smollm_gguf_path))
 
 
 def test_content_cannot_forge_turns(tok, worker):

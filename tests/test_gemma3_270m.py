@@ -22,7 +22,7 @@ from specserve.llm import LLM
 from specserve.model.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.spec.cross_vocab import CrossVocabularyProposer
-from tests.conftest import gemma3_270m_path
+from tests.conftest import gemma3_270m_path, gguf_read_once
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +61,9 @@ def test_recorded_reference_is_transformers():
     import transformers
 
     path = gemma3_270m_path()
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with gguf_read_once():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert [tok.encode(p) for p in PROMPTS] == PROMPT_IDS
     with torch.no_grad():
         for ids, want in zip(PROMPT_IDS, TRANSFORMERS_GREEDY):

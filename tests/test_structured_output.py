@@ -202,11 +202,12 @@ TREE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 
 @pytest.fixture(scope="module")
-def engines(smollm):
+def engines(smollm_native):
     from specserve.llm import LLM
 
-    return {"plain": LLM(loaded=smollm, max_num_seqs=2), "chain": LLM(loaded=smollm, max_num_seqs=2, speculative_config=CHAIN),
-            "tree": LLM(loaded=smollm, max_num_seqs=2, speculative_config=TREE)}
+    return {"plain": LLM(loaded=smollm_native, max_num_seqs=2),
+            "chain": LLM(loaded=smollm_native, max_num_seqs=2, speculative_config=CHAIN),
+            "tree": LLM(loaded=smollm_native, max_num_seqs=2, speculative_config=TREE)}
 
 
 def run(llm, spec: StructuredOutputsParams, max_tokens: int = 40, **sampling):

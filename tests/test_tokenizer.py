@@ -41,7 +41,9 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def reader(smollm_gguf_path) -> gguf.GGUFReader:
-    return gguf.GGUFReader(smollm_gguf_path)
+    from tests.conftest import gguf_reader
+
+    return gguf_reader(smollm_gguf_path)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,10 @@ def hf_tok(smollm_gguf_path):
     """transformers' own tokenizer for the same GGUF: the reference."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm_gguf_path.parent, gguf_file=smollm_gguf_path.name)
+    from tests.conftest import gguf_read_once
+
+    with gguf_read_once():
+        return AutoTokenizer.from_pretrained(smollm_gguf_path.parent, gguf_file=smollm_gguf_path.name)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ whose greedy reply is a fixed tool call."""
 import json
 from dataclasses import replace
 
-import gguf
 import httpx
 import jsonschema_rs
 import openai
@@ -21,6 +20,7 @@ from specserve.tokenizer.render_worker import RenderWorker
 from specserve.tokenizer.tokenizer import Tokenizer
 from specserve.tokenizer.tool_calls import ToolCall, ToolCallParser, parse_reply
 from specserve.tokenizer.tool_prompt import prompt_messages, template_uses_tools
+from tests.conftest import gguf_reader
 from tests.server_helpers import RunningServer
 
 NAMES = frozenset({"get_weather", "get_time"})
@@ -199,7 +199,7 @@ NATIVE = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer(smollm_gguf_path):
-    return Tokenizer.from_gguf(gguf.GGUFReader(smollm_gguf_path))
+    return Tokenizer.from_gguf(gguf_reader(smollm_gguf_path))
 
 
 def test_a_template_without_tools_gets_the_hermes_system_block(smollm_tokenizer):
