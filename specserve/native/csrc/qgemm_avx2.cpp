@@ -18,6 +18,9 @@ namespace {
 
 constexpr int kRows = 8;
 constexpr int kTileTokens = 4;
+// Q4_0/Q4_1 (one int16 run a block): 6 rows' runs and accumulators, the group and the broadcast
+// activations fit the 16 registers; a 5- or 6-row product costs ~0.85x its 4 + 1 / 4 + 2 tiles.
+constexpr int kWholeRunTileTokens = 6;
 constexpr bool kScaleInDot = true;
 constexpr bool kGroupMajor = true;  // 16 registers
 constexpr int kQ8Bias = 0;
