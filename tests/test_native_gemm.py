@@ -202,7 +202,7 @@ def test_qgemm_equals_reference_arithmetic_bitwise(fmt):
         got = ext.qgemm(level, int(Q[fmt]), units, ROWS, x, bias, residual)
         assert torch.equal(bits(got), bits(want_br)), f"level {level} with bias and residual"
         # decode-sized calls (AVX2 takes both of a unit's row sets per block) and verification-
-        # sized ones (AVX2's Q4_0/Q4_1 tiles of 5 and 6 rows)
+        # sized ones (AVX2's tiles of 5 and 6 rows)
         for n in (1, 2, 5, 6):
             got = ext.qgemm(level, int(Q[fmt]), units, ROWS, x[:n].contiguous(), bias, residual[:n].contiguous())
             assert torch.equal(bits(got), bits(want_br[:n])), f"level {level}, {n} rows, with bias and residual"
@@ -211,9 +211,8 @@ def test_qgemm_equals_reference_arithmetic_bitwise(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_levels_bit_identical_and_batch_invariant(fmt):
     """Each activation row alone gives, bit for bit, what it gives inside calls of 2..17, 20 and 24
-    rows with other partners (each level tiles rows differently: 4 or 6 (AVX2's Q4_0/Q4_1), 12 or 32
-    at a time; AMX 16,
-    a last tile of 4..15, and fewer through VNNI), at every level."""
+    rows with other partners (each level tiles rows differently: 4 or 6 (AVX2), 12 or 32 at a
+    time; AMX 16, a last tile of 4..15, and fewer through VNNI), at every level."""
     _, units = packed(fmt, seed=2)
     torch.manual_seed(1)
     pool = torch.randn(24, COLS)

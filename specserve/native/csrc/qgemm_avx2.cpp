@@ -18,8 +18,8 @@ namespace {
 
 constexpr int kRows = 8;
 constexpr int kTileTokens = 4;
-// Q4_0/Q4_1 (one int16 run a block): 6 rows' runs and accumulators, the group and the broadcast
-// activations fit the 16 registers; a 5- or 6-row product costs ~0.85x its 4 + 1 / 4 + 2 tiles.
+// Formats whose int16 runs are 4 or 8 groups long (all but Q6_K, Q8_0, IQ4_NL): a product of 5 or 6
+// rows costs 0.75-0.85x its 4 + 1 / 4 + 2 tiles (measured one thread, 16384 x 2048 weights).
 constexpr int kWholeRunTileTokens = 6;
 constexpr bool kScaleInDot = true;
 constexpr bool kGroupMajor = true;  // 16 registers
