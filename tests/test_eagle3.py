@@ -153,18 +153,38 @@ def outputs(llm, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in outs], LLM.aggregate_spec_stats(outs)
 
 
-@pytest.mark.parametrize("max_num_seqs", [1, 4])
-def test_greedy_eagle3_equals_plain_on_the_torch_path(tiny, tmp_path, max_num_seqs):
+@pytest.mark.parametrize("max_num_seqs, window", [(1, None), (4, None), (4, 3)])
+def test_greedy_eagle3_equals_plain_on_the_torch_path(tiny, tmp_path, monkeypatch, max_num_seqs, window):
     """A random drafter (most drafts rejected) over a float32 target: every output is plain's,
-    single and batched, and the drafter reads the layers it names (a shallow target repeats one)."""
+    single and batched, and the drafter reads the layers it names (a shallow target repeats one).
+    With a catch-up window of 3, drafters more than 3 tokens behind (every prompt, at its first
+    draft) restart from their last 3 tokens, and the output is still plain's."""
     folder = save_random_drafter(tmp_path / "d", tiny["loaded"], aux=(0, 1, 1), vocab=list(range(2, 50)))
     prompts = ragged_prompts(5, seed=2)
     plain, _ = outputs(LLM(loaded=tiny["loaded"], max_num_seqs=1), prompts)
     llm = LLM(loaded=tiny["loaded"], max_num_seqs=max_num_seqs, speculative_config={
-        "method": "eagle3", "model": folder, "num_speculative_tokens": 3, "num_draft_nodes": 6})
+        "method": "eagle3", "model": folder, "num_speculative_tokens": 3, "num_draft_nodes": 6,
+        "catch_up_window": window})
     assert llm.engine.proposer.drafter.native is None
+    kv = llm.engine.proposer.kv
+    begun = []  # (committed tokens, first catch-up position, features fed)
+    real_begin = kv.begin
+
+    def begin(request_id, num_tokens, lookahead, window=None):
+        got = real_begin(request_id, num_tokens, lookahead, window)
+        if got is not None:
+            begun.append((num_tokens, got[0], len(got[1])))
+            assert kv.first(request_id) <= got[0] and got[0] + len(got[1]) == num_tokens - 1
+        return got
+
+    monkeypatch.setattr(kv, "begin", begin)
     got, stats = outputs(llm, prompts)
     assert got == plain and stats.num_drafted > 0
+    fed = [c for _, _, c in begun]
+    if window is None:
+        assert max(fed) > 3  # the prompts are caught up on whole
+    else:
+        assert max(fed) == 3 and any(start > 0 for _, start, _ in begun)
 
 
 @pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")

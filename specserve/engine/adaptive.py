@@ -134,6 +134,7 @@ class SpeculationPlanner:
         # Requests whose probe was accepted: the next plan says whether they draft again.
         self.recheck: set[str] = set()
         self.proposer_s: list[float | None] = [None] * (max_depth + 1)  # by the step's deepest draft
+        self._drafting: list[float] | None = None  # drafting_s by depth, until proposer_s changes
         self.probe_s: float | None = None  # drafting time of a step that drafted a probe, averaged
         self.chosen = [0] * (max_depth + 1)  # request-steps per chosen depth, for the figures
 
@@ -162,9 +163,14 @@ class SpeculationPlanner:
         expected = float(len(rows))
         depths = [0] * len(rows)
         best_t = self.cost.predict(shape)
-        best = (expected / best_t, list(depths), expected, best_t, self._row_s(shape, rows))
+        # (ratio, depths, expected tokens, time, the pass's shape): the row price is taken once,
+        # for the winner (a plan runs every step, a few dozen microseconds in all).
+        best = (expected / best_t, list(depths), expected, best_t, PassShape(shape.num_tokens, shape.keys_read,
+                                                                             shape.query_keys))
         deepest = 0
-        drafting = [self.drafting_s(d) for d in range(self.max_depth + 1)]
+        if self._drafting is None:
+            self._drafting = [self.drafting_s(d) for d in range(self.max_depth + 1)]
+        drafting = self._drafting
         since_best = 0
         # Gains only fall, so a long run of additions that never beat the best prefix ends the
         # search (only the cost table's steps could make a later prefix win, and not by much).
@@ -183,7 +189,8 @@ class SpeculationPlanner:
             t = self.cost.predict(shape) + drafting[deepest]
             since_best += 1
             if expected / t > best[0]:
-                best = (expected / t, list(depths), expected, t, self._row_s(shape, rows))
+                best = (expected / t, list(depths), expected, t,
+                        PassShape(shape.num_tokens, shape.keys_read, shape.query_keys))
                 since_best = 0
             if j + 1 < len(gains[i]):
                 heapq.heappush(heap, (-gains[i][j + 1], i, j + 1))
@@ -204,7 +211,7 @@ class SpeculationPlanner:
             if depths[i]:
                 self.idle_steps[r.request_id] = 0
             self.chosen[depths[i]] += 1
-        return Plan(depths, best[2], best[3], best[4])
+        return Plan(depths, best[2], best[3], self._row_s(best[4], rows))
 
     def _row_s(self, shape: PassShape, rows: list[PlanRow]) -> float:
         """The price of one more token in a pass of `shape`, at the rows' mean context."""
@@ -274,6 +281,7 @@ class SpeculationPlanner:
             self.probe_s = _average(self.probe_s, drafting_s)
         elif deepest > 0:
             self.proposer_s[deepest] = _average(self.proposer_s[deepest], drafting_s)
+            self._drafting = None
 
     def forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -33,8 +33,9 @@ from specserve.spec.registry import MethodSpec
 class Eagle3Proposer(FeatureTreeProposer):
     name = "eagle3"
 
-    def __init__(self, drafter: Eagle3Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int):
-        super().__init__(drafter, target, engine, max_nodes, topk)
+    def __init__(self, drafter: Eagle3Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int,
+                 catch_up_window: int | None = None):
+        super().__init__(drafter, target, engine, max_nodes, topk, catch_up_window)
         self.hidden_layers = drafter.config.aux_layers  # the target's states it reads (module note)
 
 
@@ -58,7 +59,8 @@ class Eagle3Options(EagleOptions):
 
 def _build(options: Eagle3Options, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
     return Eagle3Proposer(load_eagle3_drafter(model, target, quantization=options.quantization), target, engine,
-                          max_nodes=options.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=options.draft_topk)
+                          max_nodes=options.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=options.draft_topk,
+                          catch_up_window=options.catch_up_window)
 
 
 # eagle's tree and its default, and the drafter's format.

@@ -54,18 +54,26 @@ class EagleKV:
         if r is not None and start < r.computed:  # already in the cache: keep only the new rows
             hidden, start = hidden[r.computed - start:], r.computed
         if r is None or start != r.computed + r.num_pending:
-            self.remove(request_id)
-            self.kv.get_computed_blocks(request_id, [])
-            # Positions before `first` never get entries; their slots stay allocated (and are
-            # masked out) so that slot p is position p for every request.
-            if start and not self.kv.allocate_slots(request_id, start):
-                self.kv.free(request_id)  # the pool is short: no drafts until a later restart fits
+            r = self._restart(request_id, start)
+            if r is None:
                 return
-            self.kv.commit(request_id, range(start), start)
-            r = self.requests[request_id] = _Request(first=start, computed=start)
         if len(hidden):
             r.pending.append(hidden)
             r.num_pending += len(hidden)
+
+    def _restart(self, request_id: str, start: int) -> _Request | None:
+        """Drop the request's entries; its first entry will be position `start`. None when the
+        pool is short (no drafts until a later restart fits)."""
+        self.remove(request_id)
+        self.kv.get_computed_blocks(request_id, [])
+        # Positions before `first` never get entries; their slots stay allocated (and are
+        # masked out) so that slot p is position p for every request.
+        if start and not self.kv.allocate_slots(request_id, start):
+            self.kv.free(request_id)
+            return None
+        self.kv.commit(request_id, range(start), start)
+        r = self.requests[request_id] = _Request(first=start, computed=start)
+        return r
 
     def remove(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:
@@ -73,14 +81,23 @@ class EagleKV:
 
     # ---- one proposal ------------------------------------------------------------------------
 
-    def begin(self, request_id: str, num_tokens: int, lookahead: int) -> tuple[int, torch.Tensor] | None:
+    def begin(self, request_id: str, num_tokens: int, lookahead: int,
+              window: int | None = None) -> tuple[int, torch.Tensor] | None:
         """Prepare a proposal for a request with `num_tokens` committed tokens: its last
         position with a target feature must be num_tokens - 2 (the last token is the root).
-        Reserves the catch-up and `lookahead` tree slots. -> (first catch-up position,
-        features [C, H] to feed), or None when features are missing or the pool is short."""
+        Reserves the catch-up and `lookahead` tree slots. window W: a request more than W
+        features behind (drafting was off for a while) restarts from its last W instead, its
+        earlier entries dropped. -> (first catch-up position, features [C, H] to feed), or None
+        when features are missing or the pool is short."""
         r = self.requests.get(request_id)
         if r is None or r.computed + r.num_pending != num_tokens - 1 or r.num_pending == 0:
             return None
+        if window is not None and r.num_pending > window:
+            recent = (torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0])[-window:]
+            r = self._restart(request_id, num_tokens - 1 - window)
+            if r is None:
+                return None
+            r.pending, r.num_pending = [recent], window
         if not self.kv.allocate_slots(request_id, r.num_pending, lookahead):
             return None  # drafting is optional: this request takes a plain step
         features = torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0]
