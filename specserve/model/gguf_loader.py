@@ -206,16 +206,23 @@ def check_gguf_tensors(reader: GGUFReader, path: Path, cfg: ModelConfig) -> None
 
 
 def _dequantized(tensor) -> np.ndarray:
-    """A GGUF tensor as float32 numpy in PyTorch's [out, in] order (GGUF lists dims reversed)."""
+    """A GGUF tensor as float32 numpy in PyTorch's [out, in] order (GGUF lists dims reversed).
+    A quantized matrix goes through Blocks, which dequantizes on the native kernels where it can
+    (the same floats as the gguf package's)."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
+    shape = tuple(reversed([int(d) for d in tensor.shape]))
+    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     try:
+        if len(shape) == 2 and qtype not in plain and tensor.data.nbytes % shape[0] == 0:
+            raw = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+            return Blocks(qtype, raw, *shape).dequantized().numpy()
         data = dequantize(tensor.data, qtype)
     except NotImplementedError:
         raise ModelLoadError(
             f"tensor {tensor.name} uses quantization type {qtype.name}, which cannot be dequantized; "
             "supported include F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K"
         ) from None
-    return np.asarray(data, dtype=np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+    return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -52,7 +52,16 @@ class Blocks:
     cols: int
 
     def dequantized(self) -> torch.Tensor:
-        """float32 [rows, cols], the gguf package's reference dequantization."""
+        """float32 [rows, cols], the gguf package's dequantization: computed by the native kernels
+        where they take the format (bit for bit the same floats, test_native_gemm; ~10x faster
+        than the package's numpy), else by the package."""
+        from specserve import native
+
+        ext = native.load()
+        if (ext is not None and ext.unit_bytes(int(self.format)) > 0
+                and self.cols % _block_elements(ext, self.format) == 0):
+            units = ext.repack(int(self.format), torch.from_numpy(np.ascontiguousarray(self.raw)), self.cols)
+            return ext.dequantize_units(int(self.format), units, self.rows, self.cols)
         return torch.from_numpy(np.asarray(dequantize(self.raw, self.format), dtype=np.float32).reshape(self.rows, self.cols))
 
     def row_slice(self, start: int, stop: int) -> Blocks:
