@@ -18,8 +18,9 @@ namespace {
 
 constexpr int kRows = 8;
 constexpr int kTileTokens = 4;
-// Formats whose int16 runs are 4 or 8 groups long (all but Q6_K, Q8_0, IQ4_NL): a product of 5 or 6
-// rows costs 0.75-0.85x its 4 + 1 / 4 + 2 tiles (measured one thread, 16384 x 2048 weights).
+// Formats whose int16 runs are 2 or more groups long (all but Q8_0 and IQ4_NL): a product of 5
+// or 6 rows costs 0.72-0.86x its 4 + 1 / 4 + 2 tiles (Q6_K: 5 rows 0.75-0.83x, 6 rows 0.92-0.96x;
+// one thread, 16384 x 2048 weights).
 constexpr int kWholeRunTileTokens = 6;
 constexpr bool kScaleInDot = true;
 constexpr bool kGroupMajor = true;  // 16 registers
