@@ -205,15 +205,18 @@ def check_gguf_tensors(reader: GGUFReader, path: Path, cfg: ModelConfig) -> None
                              f"{', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
 
 
+# Tensor types that are plain floats, not blocks.
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
 def _dequantized(tensor) -> np.ndarray:
     """A GGUF tensor as float32 numpy in PyTorch's [out, in] order (GGUF lists dims reversed).
     A quantized matrix goes through Blocks, which dequantizes on the native kernels where it can
     (the same floats as the gguf package's)."""
     qtype = GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(reversed([int(d) for d in tensor.shape]))
-    plain = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     try:
-        if len(shape) == 2 and qtype not in plain and tensor.data.nbytes % shape[0] == 0:
+        if len(shape) == 2 and qtype not in _FLOAT_TYPES and tensor.data.nbytes % shape[0] == 0:
             raw = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
             return Blocks(qtype, raw, *shape).dequantized().numpy()
         data = dequantize(tensor.data, qtype)
@@ -259,8 +262,7 @@ def _hf_name(name: str, arch: str) -> str | None:
 
 def is_quantized(reader: GGUFReader) -> bool:
     """Whether any matrix of the file is stored in a block format (not F32/F16/BF16)."""
-    floats = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-    return any(GGMLQuantizationType(t.tensor_type) not in floats for t in reader.tensors)
+    return any(GGMLQuantizationType(t.tensor_type) not in _FLOAT_TYPES for t in reader.tensors)
 
 
 def gguf_weights(reader: GGUFReader, path: Path, cfg: ModelConfig) -> dict[str, Weight]:
@@ -277,7 +279,7 @@ def gguf_weights(reader: GGUFReader, path: Path, cfg: ModelConfig) -> dict[str, 
             raise ModelLoadError(f"{path.name}: unexpected tensor {t.name!r}")
         qtype = GGMLQuantizationType(t.tensor_type)
         shape = tuple(reversed([int(d) for d in t.shape]))
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16) or len(shape) == 1:
+        if qtype in _FLOAT_TYPES or len(shape) == 1:
             w = torch.from_numpy(_dequantized(t).copy())
         else:
             w = Blocks(qtype, np.array(t.data, dtype=np.uint8).reshape(shape[0], -1), shape[0], shape[1])

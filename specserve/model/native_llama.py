@@ -58,11 +58,15 @@ class Blocks:
         from specserve import native
 
         ext = native.load()
-        if (ext is not None and ext.unit_bytes(int(self.format)) > 0
-                and self.cols % _block_elements(ext, self.format) == 0):
+        if ext is not None and self.on_kernels(ext):
             units = ext.repack(int(self.format), torch.from_numpy(np.ascontiguousarray(self.raw)), self.cols)
             return ext.dequantize_units(int(self.format), units, self.rows, self.cols)
         return torch.from_numpy(np.asarray(dequantize(self.raw, self.format), dtype=np.float32).reshape(self.rows, self.cols))
+
+    def on_kernels(self, ext: ModuleType) -> bool:
+        """Whether the native kernels compute on these blocks as they are: a format they have,
+        and rows of whole super-blocks."""
+        return ext.unit_bytes(int(self.format)) > 0 and self.cols % _block_elements(ext, self.format) == 0
 
     def row_slice(self, start: int, stop: int) -> Blocks:
         """Rows [start, stop) (a fused checkpoint tensor's part: blocks never span rows)."""
@@ -80,11 +84,10 @@ def kernel_formats(ext: ModuleType) -> set[GGMLQuantizationType]:
     return {t for t in GGMLQuantizationType if ext.unit_bytes(int(t)) > 0}
 
 
-def as_blocks(w: Weight, fmt: GGMLQuantizationType, kernels: set[GGMLQuantizationType], requantize: bool,
-              ext: ModuleType) -> Blocks:
+def as_blocks(w: Weight, fmt: GGMLQuantizationType, requantize: bool, ext: ModuleType) -> Blocks:
     """`w` in a format the kernels take: its own blocks when they have a kernel (and fit its
     super-blocks) and `requantize` is off, else quantized to `fmt` from float32."""
-    if isinstance(w, Blocks) and w.format in kernels and not requantize and w.cols % _block_elements(ext, w.format) == 0:
+    if isinstance(w, Blocks) and not requantize and w.on_kernels(ext):
         return w
     dense = (w.dequantized() if isinstance(w, Blocks) else w).float().contiguous()
     rows, cols = dense.shape
@@ -243,7 +246,6 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     "gguf" keeps blocks that have a kernel (others become FALLBACK_FORMAT); "int8" / "int4" (or a
     format by name, QUANT_FORMATS) quantize every matrix to Q8_0 / Q4_1 (that format). `permute_qk`: undo llama.cpp's q/k row order.
     `positions`: how many positions the RoPE tables cover (see RotaryEmbedding)."""
-    kernels = kernel_formats(ext)
     requantize = quantization in QUANT_FORMATS
     fmt = QUANT_FORMATS.get(quantization, FALLBACK_FORMAT)
     used: set[str] = set()
@@ -259,7 +261,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
         return (w.dequantized() if isinstance(w, Blocks) else w).float().reshape(-1).contiguous()
 
     def matrix(name: str, heads: int | None = None) -> Blocks:
-        w = as_blocks(take(name), fmt, kernels, requantize, ext)
+        w = as_blocks(take(name), fmt, requantize, ext)
         if heads is not None and permute_qk:
             w = w.take_rows(_unpermuted_rows(w.rows, heads))
         if w.rows % _UNIT_ROWS:
@@ -311,7 +313,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
 
     embed = take("model.embed_tokens.weight")
     head_source = embed if cfg.tie_word_embeddings else take("lm_head.weight")
-    head = as_blocks(head_source, fmt, kernels, requantize, ext)
+    head = as_blocks(head_source, fmt, requantize, ext)
     padded = -(-head.rows // _UNIT_ROWS) * _UNIT_ROWS
     if padded != head.rows:
         pad = np.zeros((padded - head.rows, head.raw.shape[1]), dtype=np.uint8)
@@ -320,7 +322,7 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     # Embeddings are looked up from the file's own blocks (exact, whatever the products were
     # quantized to: drafters fingerprint them), sharing the output projection's units when it
     # is the same tensor unchanged.
-    if isinstance(embed, Blocks) and embed.format in kernels and embed.cols % _block_elements(ext, embed.format) == 0:
+    if isinstance(embed, Blocks) and embed.on_kernels(ext):
         units = lm_head.units if head is embed else ext.repack(int(embed.format), torch.from_numpy(embed.raw), embed.cols)
         embed_tokens = PackedRows(ext, embed.format, units, cfg.vocab_size, cfg.hidden_size)
     else:

@@ -92,15 +92,16 @@ class EagleKV:
         r = self.requests.get(request_id)
         if r is None or r.computed + r.num_pending != num_tokens - 1 or r.num_pending == 0:
             return None
+        features = torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0]
+        r.pending = [features]  # joined once, whatever happens below
         if window is not None and r.num_pending > window:
-            recent = (torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0])[-window:]
+            features = features[-window:]
             r = self._restart(request_id, num_tokens - 1 - window)
             if r is None:
                 return None
-            r.pending, r.num_pending = [recent], window
+            r.pending, r.num_pending = [features], window
         if not self.kv.allocate_slots(request_id, r.num_pending, lookahead):
             return None  # drafting is optional: this request takes a plain step
-        features = torch.cat(r.pending) if len(r.pending) > 1 else r.pending[0]
         return r.computed, features
 
     def commit(self, request_id: str, num_tokens: int) -> None:

@@ -62,7 +62,7 @@ class NativeEagle3Drafter:
         for name in ("fc.weight", "layer.q_proj.weight", "layer.k_proj.weight", "layer.v_proj.weight",
                      "layer.o_proj.weight", "layer.gate_proj.weight", "layer.up_proj.weight",
                      "layer.down_proj.weight", "lm_head.weight"):
-            b = as_blocks(params[name].detach().float().contiguous(), fmt, kernels, True, ext)
+            b = as_blocks(params[name].detach().float().contiguous(), fmt, True, ext)
             if name == "lm_head.weight":
                 b = _padded_rows(b)
             elif b.rows % _UNIT_ROWS:
