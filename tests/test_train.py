@@ -175,17 +175,26 @@ def test_medusa_heads_beat_untrained_and_chance(bigram, tmp_path):
     assert all(c[:-1] in config["tree_choices"] for c in config["tree_choices"] if len(c) > 1)
 
 
-def test_eagle3_learns_from_token_shards_and_speculates_losslessly(bigram, tmp_path):
+@pytest.fixture(scope="module")
+def eagle3_run(bigram, tmp_path_factory):
+    """One EAGLE-3 run on the bigram target: its folder, data cache, settings and final report."""
+    root = tmp_path_factory.mktemp("eagle3")
+    prompts = write_prompts(root / "p.jsonl", seed=2)
+    cfg = dict(TINY, method="eagle3", target=bigram["target"], prompts=str(prompts), depth=3,
+               cache=str(root / "cache"))
+    out = root / "e3"
+    _, report = train_draft(TrainDraftConfig(**cfg, out=str(out), epochs=3), log=lambda m: None)
+    return {"out": out, "cfg": cfg, "report": report, "root": root}
+
+
+def test_eagle3_learns_from_token_shards_and_speculates_losslessly(bigram, eagle3_run):
     """EAGLE-3 end to end: the data cache keeps token ids only, the target's captured states are
     recomputed beside it, training-time test learns the bigram target's choices at every
     unrolled depth, and the folder (SpecForge's layout) drafts losslessly."""
-    prompts = write_prompts(tmp_path / "p.jsonl", seed=2)
-    out = tmp_path / "e3"
-    _, report = train_draft(TrainDraftConfig(**TINY, method="eagle3", target=bigram["target"], prompts=str(prompts),
-                                             out=str(out), epochs=3, depth=3), log=lambda m: None)
-    shard = load_file(str(out / "cache" / "shard-00000.safetensors"))
+    out, report, cache = eagle3_run["out"], eagle3_run["report"], eagle3_run["root"] / "cache"
+    shard = load_file(str(cache / "shard-00000.safetensors"))
     assert set(shard) == {"tokens", "offsets", "prompt_lens"}
-    assert (out / "cache" / "features-00000.safetensors").is_file()
+    assert (cache / "features-00000.safetensors").is_file()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and "d2t" in load_file(str(out / "model.safetensors"))
     untrained = config["specserve"]["extra"]["training"]["history"][0]["held_out"]
@@ -199,6 +208,24 @@ def test_eagle3_learns_from_token_shards_and_speculates_losslessly(bigram, tmp_p
     outs = llm.generate(ids, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert LLM.aggregate_spec_stats(outs).mean_accepted_length > 1.5
+
+
+def test_eagle3_init_fine_tunes_a_drafter_from_where_it_stopped(eagle3_run):
+    """--init starts from a drafter's weights and draft vocabulary: on the same data, the run's
+    first held-out report is the saved drafter's own, and training goes on from there."""
+    first, before = eagle3_run["out"], eagle3_run["report"]
+    again = eagle3_run["root"] / "again"
+    cfg = dict(eagle3_run["cfg"], lr=1e-3, draft_vocab=0)  # the vocabulary comes from --init, whatever is asked
+    _, after = train_draft(TrainDraftConfig(**cfg, out=str(again), epochs=1, init=str(first)), log=lambda m: None)
+    training = json.loads((again / "config.json").read_text())["specserve"]["extra"]["training"]
+    assert training["history"][0]["held_out"] == before.as_dict()  # where the saved drafter stopped
+    assert training["init"]["drafter"] == str(first) and training["init"]["epochs"] == 3
+    weights = {name: load_file(str(folder / "model.safetensors")) for name, folder in (("a", first), ("b", again))}
+    assert torch.equal(weights["a"]["d2t"], weights["b"]["d2t"])
+    assert not torch.equal(weights["a"]["fc.weight"], weights["b"]["fc.weight"])  # it trained
+    assert after.loss < 1.5 * before.loss and after.top1_by_depth[0] > 0.5  # and kept what it knew
+    with pytest.raises(InvalidParameterError, match="init"):
+        TrainDraftConfig(method="eagle", target="default", out="x", init=str(first))
 
 
 def test_train_draft_command_refuses_bad_runs(bigram, tmp_path):

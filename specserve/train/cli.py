@@ -56,6 +56,9 @@ def add_train_parser(sub) -> None:
     t.add_argument("--train-minutes", type=float, default=None,
                    help="fit the number of training steps (and the learning-rate schedule) to this many minutes, "
                         "timed over the first steps; default: every epoch")
+    t.add_argument("--init", default=None,
+                   help="eagle3: start from this drafter folder's weights ('default': the shipped one) and "
+                        "fine-tune it on this run's data; its draft vocabulary and target layers are kept")
     t.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own); 1 on a CPU shared with other busy processes")
 
@@ -73,6 +76,7 @@ def run_train(args, argv: list[str]) -> int:
         depth=args.depth, eval_depth=args.eval_depth, draft_vocab=args.draft_vocab, tokens_per_batch=args.batch_tokens,
         held_out=args.held_out, tree_nodes=args.tree_nodes, save_dtype=args.save_dtype, device=args.device,
         resume=args.resume, generator=args.generator, data_minutes=args.data_minutes, train_minutes=args.train_minutes,
+        init=args.init,
         command=shlex.join(["specserve", *argv]))
     if args.threads is not None:
         if args.threads < 1:

@@ -51,6 +51,10 @@ class TrainDraftConfig:
     generator: str = "auto"
     data_minutes: float | None = None  # no data chunk is begun after this long (None: all)
     train_minutes: float | None = None  # the step count is fitted to this time (None: every epoch)
+    # eagle3: a drafter folder ("default": the shipped one) to start from instead of fresh weights:
+    # fine-tuning a published or earlier drafter on this run's data (its draft vocabulary and
+    # target layers are kept).
+    init: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in TRAIN_METHODS:
@@ -70,6 +74,8 @@ class TrainDraftConfig:
             raise InvalidParameterError("lr", self.lr, "must lie in (0, 1)")
         if not 0 < self.held_out < 1:
             raise InvalidParameterError("held-out", self.held_out, "must lie in (0, 1)")
+        if self.init is not None and self.method != "eagle3":
+            raise InvalidParameterError("init", self.init, "is an EAGLE-3 drafter to start from: only with --method eagle3")
         if self.generator not in GENERATORS:
             raise InvalidParameterError("generator", self.generator, f"must be one of {', '.join(GENERATORS)}")
         for name in ("data_minutes", "train_minutes"):

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel, load_model
 from specserve.spec.heads.config import SAVE_DTYPES, TargetIdentity
 from specserve.spec.heads.drafter import vocab_projection_weight
@@ -88,8 +90,41 @@ def new_trainee(target: LoadedModel, draft_ids: torch.Tensor) -> Eagle3Trainee:
         head.draft_ids.copy_(draft_ids.long())
         head.lm_head.weight.copy_(vocab_projection_weight(target)[draft_ids.to(target.model.device)].float().cpu())
         head.norm.weight.copy_(_final_norm(target))
-    head = head.to(target.model.device)
-    return Eagle3Trainee(head, _DraftHead(head), target.model.embed_tokens, _Method(len(draft_ids)))
+    return _trainee(target, head)
+
+
+def _trainee(target: LoadedModel, head: Eagle3Head) -> Eagle3Trainee:
+    head = head.to(target.model.device).train().requires_grad_(True)
+    head.draft_ids.requires_grad_(False)
+    return Eagle3Trainee(head, _DraftHead(head), target.model.embed_tokens, _Method(len(head.draft_ids)))
+
+
+def _initial_drafter(cfg: TrainDraftConfig, target: LoadedModel):
+    """--init: a drafter whose weights, draft vocabulary and target layers the run starts from
+    (fine-tuning it on this run's data), or None."""
+    if cfg.init is None:
+        return None
+    from specserve.spec.heads.eagle3_loader import eagle3_path, load_eagle3_drafter
+
+    drafter = load_eagle3_drafter(cfg.init, target, for_inference=False)
+    if drafter.embed_tokens is not target.model.embed_tokens:
+        raise InvalidParameterError("init", str(eagle3_path(cfg.init)),
+                                    "must read the target's own embedding (this drafter carries its own, "
+                                    "which training here keeps frozen at the target's)")
+    return drafter
+
+
+def _init_record(cfg: TrainDraftConfig) -> dict | None:
+    """What the run started from, for the training record: the folder and its own record's summary."""
+    if cfg.init is None:
+        return None
+    from specserve.spec.heads.eagle3_loader import eagle3_path
+
+    path = eagle3_path(cfg.init)
+    doc = json.loads((path / "config.json").read_text())
+    before = ((doc.get("specserve") or {}).get("extra") or {}).get("training") or {}
+    return {"drafter": cfg.init, "command": before.get("command"), "answer_tokens": before.get("answer_tokens"),
+            "epochs": before.get("epochs")}
 
 
 def _final_norm(target: LoadedModel) -> torch.Tensor:
@@ -113,7 +148,8 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
     cache = Path(cfg.cache).expanduser() if cfg.cache else out / "cache"
     shards = build_data(target, plan, conversations, cache, cfg.data_seconds)
     data = load_data(shards)
-    layers = default_aux_layers(target.config.num_layers)
+    init = _initial_drafter(cfg, target)
+    layers = init.config.aux_layers if init is not None else default_aux_layers(target.config.num_layers)
     attach_states(target, data, shards, layers)
     t_data = time.perf_counter() - t0
     train_ids, held_ids = split(len(data), cfg.held_out, cfg.seed)
@@ -122,12 +158,17 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
 
     ckpt = out / "checkpoint"
     vocab_size = target.config.vocab_size
-    ids = checkpoint_vocab(ckpt).long() if has_checkpoint(ckpt) else choose_draft_vocab(
-        data, train_ids, cfg.draft_vocab or vocab_size, vocab_size, target.tokenizer.eos_token_ids)
+    if has_checkpoint(ckpt):
+        ids = checkpoint_vocab(ckpt).long()
+    elif init is not None:
+        ids = init.draft_ids.long().cpu()
+    else:
+        ids = choose_draft_vocab(data, train_ids, cfg.draft_vocab or vocab_size, vocab_size,
+                                 target.tokenizer.eos_token_ids)
     coverage = vocab_coverage(data, train_ids, ids, vocab_size)
     log(f"draft vocabulary: {len(ids)} tokens covering {100 * coverage:.2f}% of the target's answer tokens")
     torch.manual_seed(cfg.seed)
-    trainee = new_trainee(target, ids)
+    trainee = _trainee(target, init.head) if init is not None else new_trainee(target, ids)
     index = vocab_index(ids, vocab_size).to(trainee.vocab.ids.device)
     opt = new_optimizer(trainee, cfg.lr)
 
@@ -142,6 +183,8 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
                     "data_seconds": round(t_data), "total_seconds": round(time.perf_counter() - t0),
                     "held_out": report.as_dict(), "history": state.history,
                     "draft_vocab_coverage": round(coverage, 4)}
+        if cfg.init is not None:
+            training["init"] = _init_record(cfg)
         write_eagle3(out, trainee.heads.config, tensors,
                      {"target": dataclasses.asdict(TargetIdentity.of(target)), "training": training}, dtype=dtype)
 
@@ -150,7 +193,7 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
         log(f"resuming after epoch {state.epochs_done} (step {state.step})")
     else:
         untrained = held_out_report()
-        log(f"untrained: {untrained.summary()}")
+        log(f"{'untrained' if init is None else 'as --init left it'}: {untrained.summary()}")
         state = Checkpoint(0, 0, [{"epoch": 0, "held_out": untrained.as_dict()}])
 
     def after_epoch(epoch: int, loss: float) -> dict:

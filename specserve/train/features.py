@@ -8,6 +8,7 @@ is remade from the tokens, which are what a data set keeps."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,8 +33,10 @@ def features_path(shard: Path) -> Path:
 
 
 @torch.inference_mode()
-def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
-    """[T_i, len(layers) * H] float16 per sequence: the residual streams entering `layers`."""
+def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tuple[int, ...],
+                   progress: Callable[[int], object] | None = None) -> list[torch.Tensor]:
+    """[T_i, len(layers) * H] float16 per sequence: the residual streams entering `layers`;
+    progress(n) after each pass, n its sequences (a shard takes minutes on a CPU)."""
     out: list[torch.Tensor] = []
     group: list[list[int]] = []
 
@@ -44,6 +47,8 @@ def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tupl
         fwd = runner.forward(ForwardBatch(list(range(len(group))), [0] * len(group), group, all_logits=False,
                                           keep_hidden=True, aux_layers=layers))
         out.extend(h.to("cpu", STORE_DTYPE) for h in fwd.hidden)
+        if progress is not None:
+            progress(len(group))
         group.clear()
 
     limit = PASS_TOKENS if target.model.device.type == "cpu" else ACCELERATOR_PASS_TOKENS
@@ -69,12 +74,11 @@ def attach_states(target: LoadedModel, data: Recorded, shards: list[Path], layer
         seqs = range(first, first + counts[i])
         path = features_path(shard)
         if i in todo:
-            states = capture_states(target, [data.tokens[j].tolist() for j in seqs], layers)
+            states = capture_states(target, [data.tokens[j].tolist() for j in seqs], layers, bar.update)
             tmp = path.with_suffix(".tmp")
             save_file({"states": torch.cat(states) if states else torch.zeros(0, 3, dtype=STORE_DTYPE)}, str(tmp),
                       metadata={"layers": ",".join(map(str, layers))})
             os.replace(tmp, path)
-            bar.update(counts[i])
         else:
             flat = load_file(str(path))["states"]
             lengths = [len(data.tokens[j]) for j in seqs]
