@@ -72,7 +72,9 @@ def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expec
         threads = [threading.Thread(target=stream_tokens, args=(url, 300 if clients == 1 else 480, o)) for o in outs]
         for t in threads:
             t.start()
-        while "started" not in outs[0] and threads[0].is_alive():
+        # One request runs at a time: whichever stream the server took first (waiting on a given
+        # one could mean waiting for the streams queued before it to finish).
+        while not any("started" in o for o in outs) and any(t.is_alive() for t in threads):
             time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
@@ -88,7 +90,7 @@ def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expec
         assert outs[0].get("done") and outs[0]["finish_reason"] == "length" and outs[0]["tokens"] == 300, (outs, log)
     else:
         assert all(o.get("done") and o["finish_reason"] in ("abort", "length") for o in outs), (outs, log)
-        assert any(o["finish_reason"] == "abort" for o in outs) and outs[0]["tokens"] > 0, outs
+        assert any(o["finish_reason"] == "abort" for o in outs) and any(o.get("tokens", 0) > 0 for o in outs), outs
         for o in outs:  # the log counts the tokens each stream was sent
             line = f"{o['id']}: 1 choice(s), prompt 2 tok, output {o['tokens']} tok, finish {o['finish_reason']}"
             assert line in log, (o, log)
