@@ -94,8 +94,7 @@ def new_trainee(target: LoadedModel, draft_ids: torch.Tensor) -> Eagle3Trainee:
 
 
 def _trainee(target: LoadedModel, head: Eagle3Head) -> Eagle3Trainee:
-    head = head.to(target.model.device).train().requires_grad_(True)
-    head.draft_ids.requires_grad_(False)
+    head = head.to(target.model.device).train().requires_grad_(True)  # a loaded drafter comes frozen
     return Eagle3Trainee(head, _DraftHead(head), target.model.embed_tokens, _Method(len(head.draft_ids)))
 
 
