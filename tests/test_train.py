@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specserve.cli import main
-from specserve.errors import InvalidParameterError
+from specserve.errors import InvalidParameterError, ModelLoadError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.train.config import TrainDraftConfig
@@ -226,6 +226,12 @@ def test_eagle3_init_fine_tunes_a_drafter_from_where_it_stopped(eagle3_run):
     assert after.loss < 1.5 * before.loss and after.top1_by_depth[0] > 0.5  # and kept what it knew
     with pytest.raises(InvalidParameterError, match="init"):
         TrainDraftConfig(method="eagle", target="default", out="x", init=str(first))
+    # A folder that is no drafter is refused before any data is made.
+    fresh = dict(cfg, cache=str(eagle3_run["root"] / "unmade"))
+    with pytest.raises(ModelLoadError, match="has no config.json; an EAGLE-3 drafter folder needs one"):
+        train_draft(TrainDraftConfig(**fresh, out=str(eagle3_run["root"] / "none"), init=str(again / "checkpoint")),
+                    log=lambda m: None)
+    assert not (eagle3_run["root"] / "unmade").exists()
 
 
 def test_train_draft_command_refuses_bad_runs(bigram, tmp_path):

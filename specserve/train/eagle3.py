@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,15 +112,9 @@ def _initial_drafter(cfg: TrainDraftConfig, target: LoadedModel):
     return drafter
 
 
-def _init_record(cfg: TrainDraftConfig) -> dict | None:
-    """What the run started from, for the training record: the folder and its own record's summary."""
-    if cfg.init is None:
-        return None
-    from specserve.spec.heads.eagle3_loader import eagle3_path
-
-    path = eagle3_path(cfg.init)
-    doc = json.loads((path / "config.json").read_text())
-    before = ((doc.get("specserve") or {}).get("extra") or {}).get("training") or {}
+def _init_record(cfg: TrainDraftConfig, init) -> dict:
+    """What the run started from, for the training record: the folder and a summary of its own record."""
+    before = init.extra.get("training") if isinstance(init.extra.get("training"), dict) else {}
     return {"drafter": cfg.init, "command": before.get("command"), "answer_tokens": before.get("answer_tokens"),
             "epochs": before.get("epochs")}
 
@@ -141,14 +134,15 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
     conversations = read_prompt_file(cfg.prompts) if cfg.prompts else None
     # The target as it serves (default loading: a quantized GGUF on the native kernels).
     target = load_model(cfg.target, device=cfg.device)
+    init = _initial_drafter(cfg, target)  # before the data: a wrong --init is said at once, not hours later
     prompts = None if cfg.prompts is None else str(Path(cfg.prompts).expanduser().resolve())
     plan = DataPlan(prompts, cfg.num_prompts, cfg.max_new_tokens, cfg.seed, cfg.prompt_max_tokens, cfg.chunk_size,
                     record=False, generator=cfg.generator_on(target.model.device.type))
     cache = Path(cfg.cache).expanduser() if cfg.cache else out / "cache"
     shards = build_data(target, plan, conversations, cache, cfg.data_seconds)
     data = load_data(shards)
-    init = _initial_drafter(cfg, target)
     layers = init.config.aux_layers if init is not None else default_aux_layers(target.config.num_layers)
+    started_from = _init_record(cfg, init) if init is not None else None
     attach_states(target, data, shards, layers)
     t_data = time.perf_counter() - t0
     train_ids, held_ids = split(len(data), cfg.held_out, cfg.seed)
@@ -182,8 +176,8 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
                     "data_seconds": round(t_data), "total_seconds": round(time.perf_counter() - t0),
                     "held_out": report.as_dict(), "history": state.history,
                     "draft_vocab_coverage": round(coverage, 4)}
-        if cfg.init is not None:
-            training["init"] = _init_record(cfg)
+        if started_from is not None:
+            training["init"] = started_from
         write_eagle3(out, trainee.heads.config, tensors,
                      {"target": dataclasses.asdict(TargetIdentity.of(target)), "training": training}, dtype=dtype)
 

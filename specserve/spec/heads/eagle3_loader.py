@@ -13,7 +13,7 @@ and write the rows' keys and values into the drafter's one-layer cache k_rows, v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -44,6 +44,7 @@ class Eagle3Drafter:
     head: Eagle3Head  # float32 torch module (training, and the torch path's drafting)
     embed_tokens: nn.Module  # the target's embedding, or the checkpoint's own
     native: object | None  # spec.heads.native_eagle3.NativeEagle3Drafter next to a native target
+    extra: dict = field(default_factory=dict)  # the checkpoint's specserve record (target, training); {} elsewhere
 
     @property
     def draft_ids(self) -> torch.Tensor:
@@ -125,4 +126,4 @@ def load_eagle3_drafter(folder: str | Path | None, target: LoadedModel, *, for_i
 
         native = NativeEagle3Drafter.from_head(head, native_ext.load(), target.model.level,
                                                DRAFTER_FORMATS[quantization])
-    return Eagle3Drafter(ckpt.config, head, embed, native)
+    return Eagle3Drafter(ckpt.config, head, embed, native, ckpt.extra)
