@@ -52,8 +52,11 @@ ISA_TESTS := tests/test_hardware.py tests/test_dtypes.py tests/test_eagle.py tes
 	tests/test_native_gemm.py tests/test_native_layer_ops.py
 LOWEST := SPECSERVE_CPU_ISA=generic ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
+# Whole files to a worker (--dist loadfile): a module's fixtures (a server, a Ray cluster, a
+# model) are built once, not on both workers as test-by-test round-robin did (~15% less work);
+# the longest files first (tests/conftest.py FIRST_FILES), in that order.
 test: setup-test
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 	$(LOWEST) $(PY) -m pytest -q -n 2 --durations=5 -m "not slow" $(wildcard $(ISA_TESTS))
 
 clean:

@@ -211,7 +211,7 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
     seeds its choices (choice_seed)."""
     if params.n == 1:
         return params
-    return dataclasses.replace(params, n=1, best_of=None, seed=choice_seed(params.seed, j))
+    return params.copy(n=1, best_of=None, seed=choice_seed(params.seed, j))
 
 
 def merge_choices(outs: list[RequestOutput]) -> RequestOutput:

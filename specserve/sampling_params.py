@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 
 from specserve.errors import InvalidParameterError
@@ -243,6 +244,19 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise InvalidParameterError("stop_token_ids", t, "each stop token id must be an int >= 0")
+
+    def copy(self, **changes) -> SamplingParams:
+        """A copy with `changes` applied, its lists and dict its own, without the checks of
+        __post_init__ (dataclasses.replace runs them again: most of a small model's cost per
+        request). For copies the engine checks when they are added (LLM.generate's choices,
+        verify's seeds) or has checked already (its own copy)."""
+        new = copy.copy(self)
+        new.stop, new.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            new.logit_bias = dict(self.logit_bias)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        return new
 
     @property
     def greedy(self) -> bool:

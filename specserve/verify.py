@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -198,7 +198,7 @@ def sample_tuples(llm, ids: list[int], params, first_seed: int, n: int) -> tuple
     counts, stats = Counter(), SpecStats()
     for start in range(0, n, SAMPLE_ROUND):
         seeds = range(first_seed + start, first_seed + min(n, start + SAMPLE_ROUND))
-        outs = llm.generate([ids] * len(seeds), [replace(params, seed=s) for s in seeds], use_tqdm=False)
+        outs = llm.generate([ids] * len(seeds), [params.copy(seed=s) for s in seeds], use_tqdm=False)
         for o in outs:
             counts[tuple(o.outputs[0].token_ids)] += 1
             stats.merge(o.spec)

@@ -133,6 +133,20 @@ def test_invalid_sampling_params_name_the_parameter(kwargs, param):
     assert e.value.param == param
 
 
+def test_sampling_params_copy_owns_its_containers_and_the_engine_checks_what_it_is_given(llm):
+    """copy() skips __post_init__'s checks (the engine's add_request runs them): a copy's lists
+    and dict are its own, its changes apply, a bad change is refused when the request is added."""
+    p = SamplingParams(temperature=0.5, stop=["x"], stop_token_ids=[3], logit_bias={4: 1.0}, seed=3)
+    q = p.copy(seed=4)
+    q.stop.append("y"), q.stop_token_ids.append(5), q.logit_bias.update({6: 2.0})
+    assert (p.seed, p.stop, p.stop_token_ids, p.logit_bias) == (3, ["x"], [3], {4: 1.0}) and q.seed == 4
+    with pytest.raises(AttributeError):
+        p.copy(temprature=1.0)
+    with pytest.raises(InvalidParameterError, match="top_p"):
+        llm.engine.add_request("bad-copy", PROMPT, p.copy(top_p=0.0))
+    assert "bad-copy" not in llm.engine.requests
+
+
 def test_bad_prompts(llm):
     with pytest.raises(PromptError, match="empty"):
         llm.generate([""], use_tqdm=False)

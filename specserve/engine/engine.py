@@ -3,7 +3,6 @@ accept -> commit inside the execute/update of a decode step."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -214,7 +213,7 @@ class LLMEngine:
         self.check_params(params)
         # The engine's own copy: the caller's object (one for many prompts in LLM.generate)
         # stays assignable while its requests run.
-        params = dataclasses.replace(params)
+        params = params.copy()
         req = Request(
             request_id=request_id,
             prompt=prompt,

@@ -13,6 +13,7 @@ projections (see linear.py), and one call per RMSNorm.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -209,15 +210,21 @@ class LlamaModel(nn.Module):
     forward_flat_aux(flat, k, v, aux_layers) -> the same and the captured residual streams;
     compute_logits(hidden [..., hidden]) -> float32 logits [..., vocab]."""
 
-    def __init__(self, cfg: ModelConfig, positions: int | None = None):
+    def __init__(self, cfg: ModelConfig, positions: int | None = None, tables_device: torch.device | str | None = None):
+        """tables_device: where the RoPE tables are computed, when the rest is built on the meta
+        device to be assigned loaded weights (weights.build_model)."""
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device and assigned loaded weights (weights.build_model): the weight
+        # is given, not initialised (a meta normal_ would import torch._dynamo: 1-2 s a process).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg, positions)
-        # The windowed layers' own RoPE tables (Gemma 3's local base), or None: the same tables.
-        self.rotary_local = RotaryEmbedding(cfg, positions, local=True) if cfg.local_rope_theta is not None else None
+        with torch.device(tables_device) if tables_device is not None else contextlib.nullcontext():
+            self.rotary = RotaryEmbedding(cfg, positions)
+            # The windowed layers' own RoPE tables (Gemma 3's local base), or None: the same tables.
+            self.rotary_local = RotaryEmbedding(cfg, positions, local=True) if cfg.local_rope_theta is not None else None
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -13,7 +13,7 @@ from specserve.errors import ModelLoadError
 from specserve.model.config import ModelConfig
 from specserve.hardware import can_pack
 from specserve.model.linear import PackedLinear, pack_linears
-from specserve.model.llama import LlamaModel, RotaryEmbedding
+from specserve.model.llama import LlamaModel
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Checkpoint names that are concatenated, in this order, into one fused parameter.
@@ -106,10 +106,10 @@ def build_model(cfg: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], t
     never exists twice in memory. On a CPU, weights are then prepacked (`pack_for_cpu`).
     """
     with torch.device("meta"):
-        model = LlamaModel(cfg)
-    model.rotary = RotaryEmbedding(cfg, positions).to(device)
-    if cfg.local_rope_theta is not None:
-        model.rotary_local = RotaryEmbedding(cfg, positions, local=True).to(device)
+        model = LlamaModel(cfg, positions, tables_device="cpu")  # the RoPE tables in float32 on the CPU, then moved
+    model.rotary.to(device)
+    if model.rotary_local is not None:
+        model.rotary_local.to(device)
     expected = {n: p.shape for n, p in model.named_parameters()}
     state: dict[str, torch.Tensor] = {}
     pending: dict[str, list[torch.Tensor | None]] = {}

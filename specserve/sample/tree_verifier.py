@@ -72,11 +72,7 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     elif sampled:
         _verify_sampled(trees, target_logits, st, noise, positions, sampled, paths, emitted)
 
-    depth = max((t.max_depth for t in trees), default=0)
-    out = torch.full((rows, depth + 1), -1, dtype=torch.long)
-    for b, path in enumerate(paths):
-        out[b, : len(path) + 1] = torch.tensor([trees[b].token_ids[i] for i in path] + [emitted[b]])
-    return TreeVerifyOutput(out.to(device), torch.tensor([len(p) for p in paths], device=device), paths)
+    return _output(trees, paths, emitted, device)
 
 
 def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[int], st: SamplingTensors,
@@ -112,12 +108,21 @@ def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[
                               for b in sampled], device=logits.device)  # [S, width] rows of `logits`
         sub = tree_verify([trees[b] for b in sampled], logits[index], st.select(sampled),
                           [noise[b] for b in sampled], [positions[b] for b in sampled], typical)
+        out = sub.output_token_ids.tolist()
         for j, b in enumerate(sampled):
             paths[b] = sub.accepted_nodes[j]
-            emitted[b] = int(sub.output_token_ids[j, len(paths[b])])
+            emitted[b] = out[j][len(paths[b])]
+    return _output(trees, paths, emitted, None)
+
+
+def _output(trees: list[DraftTree], paths: list[list[int]], emitted: list[int],
+            device: torch.device | None) -> TreeVerifyOutput:
+    """The rows' accepted paths and emitted tokens as a TreeVerifyOutput (built as lists, one
+    tensor each: a tensor per row costs more than the row's work)."""
     depth = max((t.max_depth for t in trees), default=0)
     out = [[trees[b].token_ids[i] for i in p] + [emitted[b]] + [-1] * (depth - len(p)) for b, p in enumerate(paths)]
-    return TreeVerifyOutput(torch.tensor(out, dtype=torch.long), torch.tensor([len(p) for p in paths]), paths)
+    return TreeVerifyOutput(torch.tensor(out, dtype=torch.long, device=device),
+                            torch.tensor([len(p) for p in paths], device=device), paths)
 
 
 def _verify_sampled(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
@@ -128,13 +133,12 @@ def _verify_sampled(trees: list[DraftTree], target_logits: torch.Tensor, st: Sam
     width = target_logits.shape[1]
     device = target_logits.device
     p = processed_probs(target_logits[sampled], st.select(sampled))  # [S, 1 + N_max, V]
-    tokens = torch.full((len(sampled), width - 1), -1, dtype=torch.long)  # -1 past a tree's nodes: never matches
-    parent_flat = torch.full((len(sampled), width - 1), -1, dtype=torch.long)
-    for j, b in enumerate(sampled):
-        t = trees[b]
-        tokens[j, : t.num_nodes] = torch.tensor(t.token_ids, dtype=torch.long)
-        parent_flat[j, : t.num_nodes] = torch.tensor(t.parents, dtype=torch.long) + 1
-    tokens, parent_flat = tokens.to(device), parent_flat.to(device)  # [S, N_max]
+    # [S, N_max] each node's token and its parent's flat index; -1 past a tree's nodes: never matches.
+    pads = [[-1] * (width - 1 - trees[b].num_nodes) for b in sampled]
+    tokens = torch.tensor([list(trees[b].token_ids) + pad for b, pad in zip(sampled, pads)], dtype=torch.long,
+                          device=device)
+    parent_flat = torch.tensor([[q + 1 for q in trees[b].parents] + pad for b, pad in zip(sampled, pads)],
+                               dtype=torch.long, device=device)
     current = [0] * len(sampled)  # flat index of each row's current node (0: the root)
     alive = list(range(len(sampled)))
     depth = 0

@@ -11,6 +11,8 @@ text of a control token such as `<|im_end|>` would otherwise be encoded as that 
 
 from __future__ import annotations
 
+import functools
+
 import json
 import re
 import secrets
@@ -47,19 +49,24 @@ class Tokenizer:
     # bos_token/eos_token/unk_token/pad_token text, passed to the chat template as variables
     special_tokens: Mapping[str, str] = field(default_factory=dict, repr=False)
     _chat: ChatTemplate = field(init=False, repr=False, compare=False)
-    # The text of every special (control) token, and a copy of the backend that encodes that text
-    # as plain text: a copy, since the flag is the backend's state and encodes run in threads.
+    # The text of every special (control) token.
     _control_texts: tuple[str, ...] = field(init=False, repr=False, compare=False)
-    _plain_backend: HFTokenizer = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Compiled once at load, so a broken template is a load error rather than a per-request one.
         object.__setattr__(self, "_chat", ChatTemplate(self.chat_template or CHATML_TEMPLATE, self.special_tokens))
         added = self.backend.get_added_tokens_decoder().values()
         object.__setattr__(self, "_control_texts", tuple(t.content for t in added if t.special))
+
+    @functools.cached_property
+    def _plain_backend(self) -> HFTokenizer:
+        """A copy of the backend that encodes control-token text as plain text: a copy, since the
+        flag is the backend's state and encodes run in threads. Built when a message first holds
+        such text (a copy of a 262k-token vocabulary takes ~2 s); two threads racing to build it
+        build equal copies, and one is kept."""
         plain = HFTokenizer.from_str(self.backend.to_str())
         plain.encode_special_tokens = True
-        object.__setattr__(self, "_plain_backend", plain)
+        return plain
 
     # ---- loading -------------------------------------------------------------------------------
 
