@@ -12,7 +12,6 @@ text of a control token such as `<|im_end|>` would otherwise be encoded as that 
 from __future__ import annotations
 
 import functools
-
 import json
 import re
 import secrets
