@@ -42,14 +42,14 @@ run: setup
 	$(VENV)/bin/specserve generate --chat "$(PROMPT)" $(if $(FILE),--file "$(FILE)") --max-tokens 256 --speculative ngram --compare-plain
 
 # The suite in two workers on the machine's own CPU path, then the tests whose path depends on the
-# CPU (half precision, drafters, training, the native kernels and model) once more as on the
-# lowest: specserve's generic level for its own choices and kernels, torch capped at AVX2 (an
-# AVX2-only CPU, where oneDNN has no bfloat16 packing). Green here means green on either CPU.
+# CPU (half precision, drafters, training) once more as on the lowest: specserve's generic level
+# for its own choices, torch capped at AVX2 (an AVX2-only CPU, where oneDNN has no bfloat16
+# packing). Green here means green on either CPU.
 # The embedded model's end-to-end runs (marked slow) stay in the first pass: their drafters'
 # arithmetic is what the tiny models' tests cover here, at a tenth of the time.
-# (The native model's tests run every level in-process already: the levels compute equal bits.)
-ISA_TESTS := tests/test_hardware.py tests/test_dtypes.py tests/test_eagle.py tests/test_train.py \
-	tests/test_native_gemm.py tests/test_native_layer_ops.py
+# (The native kernels' and model's tests run every level in-process already, the generic one
+# included, and compare their bits: under the generic level they would run a part of that again.)
+ISA_TESTS := tests/test_hardware.py tests/test_dtypes.py tests/test_eagle.py tests/test_train.py
 LOWEST := SPECSERVE_CPU_ISA=generic ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
 # Whole files to a worker (--dist loadfile): a module's fixtures (a server, a Ray cluster, a

@@ -58,6 +58,13 @@ def stream_tokens(url: str, max_tokens: int, out: dict) -> None:
         out["error"] = repr(e)
 
 
+def held(url: str) -> int:
+    """Requests the server's engine holds, running or waiting (its gauges)."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return int(sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.startswith(("specserve_num_requests_running{", "specserve_num_requests_waiting{"))))
+
+
 @pytest.mark.parametrize("grace,clients,expect", [(30, 1, "finished"), (0.3, 6, "cut")])
 def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expect):
     """One running stream finishes inside a long grace period. Six 480-token streams on a
@@ -73,8 +80,10 @@ def test_sigterm_drains_running_requests_and_exits_0(tiny, grace, clients, expec
         for t in threads:
             t.start()
         # One request runs at a time: whichever stream the server took first (waiting on a given
-        # one could mean waiting for the streams queued before it to finish).
-        while not any("started" in o for o in outs) and any(t.is_alive() for t in threads):
+        # one could mean waiting for the streams queued before it to finish), once the server
+        # holds every request (a stream not yet connected when SIGTERM closes the listener is
+        # refused at the socket, which is not what this test is about).
+        while (not any("started" in o for o in outs) or held(url) < clients) and any(t.is_alive() for t in threads):
             time.sleep(0.005)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
