@@ -226,8 +226,6 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParameterError(name, getattr(self, name), "must be true or false")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidParameterError("ignore_eos", self.ignore_eos, "must be true or false")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidParameterError("structured_outputs", type(self.structured_outputs).__name__,
