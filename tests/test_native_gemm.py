@@ -201,9 +201,9 @@ def test_qgemm_equals_reference_arithmetic_bitwise(fmt):
         assert torch.equal(bits(got), bits(want)), f"level {level}"
         got = ext.qgemm(level, int(Q[fmt]), units, ROWS, x, bias, residual)
         assert torch.equal(bits(got), bits(want_br)), f"level {level} with bias and residual"
-        # decode-sized calls (AVX2 takes both of a unit's row sets per block) and verification-
-        # sized ones (AVX2's tiles of 5 and 6 rows)
-        for n in (1, 2, 5, 6):
+        # decode-sized calls (AVX2 takes both of a unit's row sets per block: up to 2 rows, up
+        # to 5 for signed weights) and verification-sized ones (AVX2's tiles of 5 and 6 rows)
+        for n in (1, 2, 3, 4, 5, 6):
             got = ext.qgemm(level, int(Q[fmt]), units, ROWS, x[:n].contiguous(), bias, residual[:n].contiguous())
             assert torch.equal(bits(got), bits(want_br[:n])), f"level {level}, {n} rows, with bias and residual"
 

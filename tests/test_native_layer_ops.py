@@ -407,6 +407,33 @@ def test_tree_query_equals_the_chain_query_of_its_accepted_path(window):
         assert_same_bits(in_tree, as_chain, f"level {level}")
 
 
+@pytest.mark.parametrize("window", [0, 40])
+def test_attention_bits_do_not_depend_on_the_thread_count(window):
+    """Decode and verification calls have few tasks (one per kv head), which more than one thread
+    take as shares of their rows, cut inside a task and inside a token's heads: each row gives
+    the bits it gives on one thread, for chains, a tree and two sequences, at every level."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    pool = Pool.random(200, block_size, kv_heads, head_dim, seed=11)
+    mine, other = scattered_blocks(40, 100, seed=11), scattered_blocks(40, 100, seed=12)
+    other = [b + 100 for b in other]
+    g = torch.Generator().manual_seed(11)
+    calls = [[Seq.chain(mine, 299, width)] for width in (1, 2, 3, 5, 9)]
+    calls += [[Seq.tree(mine, 300, small_tree())], [Seq.chain(mine, 299, 2), Seq.chain(other, 400, 3)]]
+    before = torch.get_num_threads()
+    try:
+        for seqs in calls:
+            q = torch.randn(sum(len(s.prefix) for s in seqs), heads, head_dim, generator=g)
+            for level in LEVELS:
+                torch.set_num_threads(1)
+                one = attend(level, q, pool, seqs, window=window)
+                for threads in (2, 3, 4):
+                    torch.set_num_threads(threads)
+                    got = attend(level, q, pool, seqs, window=window)
+                    assert_same_bits(got, one, f"level {level}, {threads} threads, {len(q)} rows")
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_inputs_are_refused_with_a_reason():
     pool = Pool.random(4, 16, 3, 64, seed=0)
     q = torch.randn(2, 9, 64)

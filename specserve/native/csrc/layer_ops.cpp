@@ -219,6 +219,13 @@ int64_t window_lo(const AttentionBatch& b, int64_t i) {
   return b.window > 0 ? std::max<int64_t>(0, b.positions[i] - b.window + 1) : 0;
 }
 
+// (row, key) pairs below which an attention call stays on the calling thread, where waking the
+// pool costs more than the work. A decode step of the embedded model at 300 keys is 2,700 pairs
+// (3 kv heads x 3 rows), which the earlier bound of 4,096 left on one of two threads in every
+// layer: with its rows in shares (below) a one-token pass there took 0.86-0.93x the time (AVX2,
+// 2 threads, alternated processes).
+constexpr int64_t kParallelWork = 1024;
+
 void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_pool, const uint16_t* v_pool,
                      int64_t block_size, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
                      float softcap, const AttentionBatch& batch, float* out, int64_t ldo) {
@@ -231,6 +238,7 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   // One task per (sequence, kv head, kTileRows rows): a long prompt's rows spread over the threads.
   struct Item {
     int64_t s, kvh, r0, r1;
+    int64_t share = 0;  // the thread that runs it, where rows are cut into shares (below)
   };
   std::vector<Item> items;
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
@@ -248,12 +256,35 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh)
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) items.push_back({s, kvh, r0, std::min(rows, r0 + kTileRows)});
   }
+  // Few tasks (decode and verification: one per kv head and sequence) do not divide among the
+  // threads: 3 kv heads on 2 threads leave one thread idle for a third of the call. Their rows
+  // are cut instead into one contiguous share per thread (a task's rows in pieces: each row's
+  // arithmetic is its own, so the bits are those of the task whole).
+  const int64_t pool_threads = at::get_num_threads();
+  const bool shares = pool_threads > 1 && work >= kParallelWork && static_cast<int64_t>(items.size()) < 4 * pool_threads &&
+                      static_cast<int64_t>(items.size()) % pool_threads != 0;
+  if (shares) {
+    int64_t total = 0;
+    for (const Item& it : items) total += it.r1 - it.r0;
+    std::vector<Item> cut;
+    int64_t before = 0;  // rows of the items before this one
+    for (const Item& it : items) {
+      for (int64_t j = 0; j < pool_threads; ++j) {  // share j: rows [total * j / n, total * (j + 1) / n)
+        const int64_t a = std::max(it.r0, it.r0 + total * j / pool_threads - before);
+        const int64_t b = std::min(it.r1, it.r0 + total * (j + 1) / pool_threads - before);
+        if (a < b) cut.push_back({it.s, it.kvh, a, b, j});
+      }
+      before += it.r1 - it.r0;
+    }
+    items.swap(cut);
+  }
   auto run = [&](int64_t from_item, int64_t stride) {
     // Kept per thread across calls: fresh memory of this size would be page-faulted in anew.
     thread_local std::vector<float> scratch;
     thread_local std::vector<int64_t> shifted, lows, rows, tree_pos;  // prefix_len and windows from the first key; tree rows
     thread_local std::vector<uint8_t> near;                            // a tree's mask rows cut to the window
-    for (size_t it = static_cast<size_t>(from_item); it < items.size(); it += static_cast<size_t>(stride)) {
+    for (size_t it = shares ? 0 : static_cast<size_t>(from_item); it < items.size(); it += shares ? 1 : static_cast<size_t>(stride)) {
+      if (shares && items[it].share != from_item) continue;
       const int64_t s = items[it].s, kvh = items[it].kvh, i0 = batch.q_start[s];
       const int64_t k0 = first[s];
       AttentionTask t{};
@@ -322,10 +353,11 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
       fn(t, scratch.data());
     }
   };
-  // Below ~a few thousand (row, key) pairs the call takes microseconds and stays on this thread;
-  // above, thread j takes the tasks j, j + threads, ...: a prompt's early (short) and late (long)
-  // rows alternate between them.
-  const int64_t threads = work >= 4096 ? std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(items.size())) : 1;
+  // Below kParallelWork the call stays on this thread; above, thread j takes its share of the
+  // rows, or the tasks j, j + threads, ...: a prompt's early (short) and late (long) rows
+  // alternate between them.
+  const int64_t threads = shares ? pool_threads
+                                 : work >= kParallelWork ? std::min<int64_t>(pool_threads, static_cast<int64_t>(items.size())) : 1;
   if (threads <= 1) return run(0, 1);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) run(j, threads);
