@@ -16,6 +16,7 @@ namespace {
 constexpr int kScoreVecs = 2;  // 2 row vectors x 2 keys: 4 lane trees of ~5 partial sums, + 2 q vectors
 constexpr int kScoreKeys = 2;
 constexpr int kRowTile = 4;     // 4 rows x 4 chunks = 16 accumulators, + 4 value chunks
+constexpr int64_t kSmallTile = 8;  // attention tiles of fewer rows go row by row (layer_ops_simd.inc)
 constexpr int kChunkGroup = 4;
 
 using V = __m512;
