@@ -238,7 +238,6 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   // One task per (sequence, kv head, kTileRows rows): a long prompt's rows spread over the threads.
   struct Item {
     int64_t s, kvh, r0, r1;
-    int64_t share = 0;  // the thread that runs it, where rows are cut into shares (below)
   };
   std::vector<Item> items;
   for (int64_t s = 0; s < batch.num_seqs; ++s) {
@@ -263,28 +262,33 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   const int64_t pool_threads = at::get_num_threads();
   const bool shares = pool_threads > 1 && work >= kParallelWork && static_cast<int64_t>(items.size()) < 4 * pool_threads &&
                       static_cast<int64_t>(items.size()) % pool_threads != 0;
+  std::vector<size_t> share_start;  // with shares: thread j runs items [share_start[j], share_start[j + 1])
   if (shares) {
     int64_t total = 0;
     for (const Item& it : items) total += it.r1 - it.r0;
     std::vector<Item> cut;
+    share_start.assign(static_cast<size_t>(pool_threads) + 1, 0);
     int64_t before = 0;  // rows of the items before this one
     for (const Item& it : items) {
       for (int64_t j = 0; j < pool_threads; ++j) {  // share j: rows [total * j / n, total * (j + 1) / n)
         const int64_t a = std::max(it.r0, it.r0 + total * j / pool_threads - before);
         const int64_t b = std::min(it.r1, it.r0 + total * (j + 1) / pool_threads - before);
-        if (a < b) cut.push_back({it.s, it.kvh, a, b, j});
+        if (a < b) {
+          cut.push_back({it.s, it.kvh, a, b});
+          ++share_start[static_cast<size_t>(j) + 1];
+        }
       }
       before += it.r1 - it.r0;
     }
+    for (size_t j = 1; j < share_start.size(); ++j) share_start[j] += share_start[j - 1];  // pieces come in share order
     items.swap(cut);
   }
-  auto run = [&](int64_t from_item, int64_t stride) {
+  auto run = [&](size_t begin, size_t end, size_t stride) {
     // Kept per thread across calls: fresh memory of this size would be page-faulted in anew.
     thread_local std::vector<float> scratch;
     thread_local std::vector<int64_t> shifted, lows, rows, tree_pos;  // prefix_len and windows from the first key; tree rows
     thread_local std::vector<uint8_t> near;                            // a tree's mask rows cut to the window
-    for (size_t it = shares ? 0 : static_cast<size_t>(from_item); it < items.size(); it += shares ? 1 : static_cast<size_t>(stride)) {
-      if (shares && items[it].share != from_item) continue;
+    for (size_t it = begin; it < end; it += stride) {
       const int64_t s = items[it].s, kvh = items[it].kvh, i0 = batch.q_start[s];
       const int64_t k0 = first[s];
       AttentionTask t{};
@@ -358,9 +362,12 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
   // alternate between them.
   const int64_t threads = shares ? pool_threads
                                  : work >= kParallelWork ? std::min<int64_t>(pool_threads, static_cast<int64_t>(items.size())) : 1;
-  if (threads <= 1) return run(0, 1);
+  if (threads <= 1) return run(0, items.size(), 1);
   at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; ++j) run(j, threads);
+    for (int64_t j = b; j < e; ++j) {
+      if (shares) run(share_start[j], share_start[j + 1], 1);
+      else run(static_cast<size_t>(j), items.size(), static_cast<size_t>(threads));
+    }
   });
 }
 
