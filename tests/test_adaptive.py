@@ -4,13 +4,14 @@ Python, with made-up costs), then the engine choosing draft lengths, losslessly.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.engine import cost_model as cost_module
-from specserve.engine.adaptive import (PROBE_BUDGET, PROBE_EVERY, PROBE_MAX, AcceptanceEstimate, PlanRow,
+from specserve.engine.adaptive import (PRIOR_STRENGTHS, PROBE_BUDGET, PROBE_EVERY, PROBE_MAX, AcceptanceEstimate, PlanRow,
                                       SpeculationPlanner)
 from specserve.engine.cost_model import KNOTS, PassCostModel, PassShape
 from specserve.errors import InvalidParameterError
@@ -175,6 +176,36 @@ def test_each_request_drafts_by_its_own_acceptance():
     depths = p.plan(PassShape(2), [PlanRow("copying", 50, 8), PlanRow("writing", 50, 8)]).depths
     assert depths[0] >= 4 and depths[1] == 0
     assert p.plan(PassShape(2), [PlanRow("copying", 50, 3), PlanRow("writing", 50, 8)]).depths[0] == 3  # its slots
+
+
+def test_a_run_of_bad_luck_does_not_switch_a_steady_drafter_off():
+    """Drafts accepted at 0.4 in no pattern of their own (a learned drafter's), on a machine
+    where a draft token pays above 0.23: the method's rate predicts each request best, and ten
+    rejections in a row by chance leave the request drafting."""
+    rng = random.Random(0)
+    p = SpeculationPlanner(linear_cost(5e-3, 1.5e-3), max_depth=1)
+    for i in range(400):
+        p.observe_verification(f"r{i % 8}", 1, int(rng.random() < 0.4))
+    learned(p, "r0", 1, 0, times=10)
+    assert p.strength == max(PRIOR_STRENGTHS)
+    assert p.plan(PassShape(1), [PlanRow("r0", 100, 1)]).depths == [1]
+
+
+def test_requests_that_differ_for_good_are_trusted_on_their_own_record():
+    """Acceptance that stays with the request (a lookup's: one copies its prompt, one writes):
+    its own record predicts best, and the request that writes stops drafting."""
+    p = SpeculationPlanner(linear_cost(5e-3, 1.5e-3), max_depth=1)
+    for i in range(400):  # four requests copy their prompt, four write
+        p.observe_verification(f"r{i % 8}", 1, int(i % 8 < 4))
+    assert p.strength == min(PRIOR_STRENGTHS)
+    assert p.plan(PassShape(2), [PlanRow("r0", 100, 1), PlanRow("r4", 100, 1)]).depths == [1, 0]
+
+
+def test_a_couple_of_early_rejections_do_not_switch_a_method_off():
+    # A draft token adds 2 ms to a 7 ms pass: it pays above an acceptance of 0.29.
+    p = SpeculationPlanner(linear_cost(5e-3, 2e-3), max_depth=4)
+    learned(p, "a", 1, 0, times=2)
+    assert p.plan(PassShape(1), [PlanRow("b", 100, 4)]).depths[0] >= 1
 
 
 def test_a_request_that_stopped_drafting_probes_again():

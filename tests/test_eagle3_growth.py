@@ -6,6 +6,9 @@ and on the native kernels, with peaked logits, near-ties and exact ties (a zero 
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -196,3 +199,25 @@ def test_growth_equals_the_reference_on_the_native_kernels(smollm_native, monkey
     assert drafter.native is not None
     compared = run_side_by_side(drafter, smollm_native, monkeypatch, depths, nodes, topk, vocab=2000)
     assert compared == 3 * len(depths)
+
+
+@pytest.mark.parametrize("topk", [1, 2, 4])
+def test_one_depth_shortcut_chooses_the_trees_of_the_general_selection(topk):
+    """A batch whose trees have one depth skips the candidates' bookkeeping (_depth_one): for
+    every node budget (below, at and above k) and floor (none, between the candidates, above
+    them all) it must choose what TreeCandidates and select_trees choose."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 50
+    draft_ids = torch.randperm(1000, generator=gen)[:vocab]
+    logits = torch.randn(6, vocab, generator=gen) * 3.0  # no exact ties
+    lp = torch.log_softmax(logits, -1).sort(-1, descending=True).values
+    floors = [-math.inf, float(lp[1, 0]) + 1.0, float((lp[2, 0] + lp[2, 1]) / 2), float(lp[3, min(topk, 3) - 1]),
+              -math.inf, float(lp[5, 0]) - 1e-4]
+    budgets = [1, 3, 2, 8, max(1, topk - 1), topk]
+    rows = [eagle._Row(i, f"r{i}", 0, torch.zeros(1, 1), [1], 1, n, floor=f)
+            for i, (n, f) in enumerate(zip(budgets, floors))]
+    proposer = SimpleNamespace(topk=topk, drafter=SimpleNamespace(draft_ids=draft_ids), times=eagle.DraftingTimes())
+    got = eagle.FeatureTreeProposer._depth_one(proposer, rows, logits)
+    want = eagle.TreeCandidates(logits, topk).trees([(1, n) for n in budgets], draft_ids, floors)
+    assert [(t.token_ids, t.parents) for t in got] == [(t.token_ids, t.parents) for t in want]
+    assert [t.num_nodes for t in got][:2] == [1, 0]  # a floor above every candidate leaves no tree
