@@ -66,6 +66,39 @@ def test_final_only_streams_yield_the_whole_answer_once(engine, tiny):
     assert not llm.engine.requests
 
 
+def test_a_steps_outputs_are_handed_over_as_the_next_pass_starts(engine, tiny, monkeypatch):
+    """A step's output reaches the event loop when the next step's forward pass begins (where
+    the engine thread releases the GIL), not while the engine thread still runs Python between
+    the two; the last one at once, as nothing follows it; every token arrives, in order."""
+    llm, eng = engine
+    want = LLM(loaded=tiny["loaded"], max_num_seqs=1, max_model_len=128).generate([[9, 8, 7]], GREEDY, use_tqdm=False)
+    step, calls = llm.engine.step, []
+    between, go = threading.Event(), threading.Event()
+
+    def paused():  # the engine thread waits before its second step
+        calls.append(1)
+        if len(calls) == 2:
+            between.set()
+            go.wait(30)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", paused)
+
+    async def run():
+        add = eng.submit("h", [9, 8, 7], GREEDY)
+        assert await asyncio.to_thread(between.wait, 30)
+        await asyncio.sleep(0.05)  # time for a handed-over output to arrive
+        early = add.outputs.qsize()
+        go.set()
+        return early, [o async for o in eng.stream(add)]
+
+    early, outs = asyncio.run(run())
+    assert early == 0  # the first step's output waited for the second step's pass
+    assert len(outs) > 2 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert outs[-1].outputs[0].token_ids == want[0].outputs[0].token_ids
+    assert "".join(o.new_text for o in outs) == outs[-1].outputs[0].text
+
+
 def test_leaving_early_aborts_and_frees_blocks(engine):
     llm, eng = engine
 

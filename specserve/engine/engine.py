@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -121,6 +121,10 @@ class LLMEngine:
             width = self.proposer.num_draft_nodes(self.num_speculative_tokens) / self.num_speculative_tokens
             self.planner = SpeculationPlanner(cost, self.num_speculative_tokens, tokens_per_depth=width)
         self.num_steps = 0
+        # Called on the engine's thread right before each step's forward pass, which releases
+        # the GIL for milliseconds: the server's engine thread hands the last step's outputs to
+        # the event loop there (AsyncEngine), so that the loop's work runs while the pass does.
+        self.before_forward: Callable[[], None] | None = None
         self._drafting_s = 0.0  # seconds the last proposal took (the next pass verifies its drafts)
         self._probe_drafted = False  # whether that proposal drafted a planner's probe
 
@@ -327,6 +331,8 @@ class LLMEngine:
         fb = ForwardBatch([self.scheduler.block_table(r) for r in reqs], starts, tokens, all_logits=False,
                           tree_masks=masks if any(m is not None for m in masks) else None, keep_hidden=self.keep_hidden,
                           aux_layers=self.hidden_layers)
+        if self.before_forward is not None:
+            self.before_forward()
         fwd = self.runner.forward_rows(fb, [1 + t.num_nodes if s else 0 for s, t in zip(samples, trees)])
         rows = [i for i, s in enumerate(samples) if s]
         raw: dict[int, torch.Tensor] = {}  # logprobs report the model's raw distribution
