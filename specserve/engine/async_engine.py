@@ -12,9 +12,11 @@ event loop wakes, writes its chunks and goes back to waiting while the pass runs
 at the step's end, the loop woke while the engine thread still ran the step's Python (commit,
 schedule, the next batch) and the two traded the GIL: on one stream the loop's socket sends
 took 0.74 ms each, waiting for it (docs/figures.md). When no pass follows (nothing left to run,
-an abort to deliver after them, the thread stopping) they are handed over at once. Figures that the
-server reads at any time (queue lengths, KV blocks) are published as an immutable snapshot after
-every step, so a /metrics scrape never reads the scheduler while it changes.
+an abort to deliver after them, the thread stopping) they are handed over at once.
+
+Figures that the server reads at any time (queue lengths, KV blocks) are published as an
+immutable snapshot after every step, so a /metrics scrape never reads the scheduler while it
+changes.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # guards _pending, the adds sent but not yet taken
         self._pending = 0
         self._streams: dict[str, _Add] = {}  # engine thread only
-        self._held: list[RequestOutput] = []  # engine thread only: the last step's outputs, not yet handed over
+        self._held: list[RequestOutput] = []  # engine thread only: the last step's outputs, not handed over yet
         engine.before_forward = self._hand_over
         self._accepting = True
         self._stop = False
