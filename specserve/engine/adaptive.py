@@ -3,15 +3,17 @@ maximise the whole batch's expected committed tokens per second.
 
 Inputs: the pass cost model (engine/cost_model.py) and, per request, the chance that draft
 position j is accepted given that positions before it were (its own verifications, decayed so
-that it follows the text, shrunk toward the method-wide rate). How far toward it is learned:
-each verification scores what each of a few prior strengths would have predicted for it, and
-plans use the strength that erred least. A lookup's acceptance comes in runs (an n-gram that
-matched matches again: on Spec-Bench P(accept | last accepted) 0.63 against 0.25 after a
-rejection), so a request's own record predicts it; a learned drafter's barely does (EAGLE-3:
-0.41 against 0.32), and trusting its record let runs of bad luck switch drafting off where it
-paid on average (its measured acceptance replayed through the planner: 1.05x plain at a fixed
-strength of 2, 1.08x learned, as drafting every step).
-A request drafting k tokens is expected to commit 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens.
+that it follows the text, shrunk toward the method-wide rate). A request drafting k tokens is
+expected to commit 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens.
+
+How far a request's record is shrunk toward the method's rate is learned: each verification
+scores what each of a few prior strengths would have predicted for it, and plans use the
+strength that erred least. A lookup's acceptance comes in runs (an n-gram that matched matches
+again: on Spec-Bench P(accept | last accepted) 0.63 against 0.25 after a rejection), so a
+request's own record predicts it; a learned drafter's barely does (EAGLE-3: 0.41 against
+0.32), and trusting its record let runs of bad luck switch drafting off where it paid on
+average (its measured acceptance replayed through the planner: 1.05x plain at a fixed
+strength of 2, 1.08x with the learned one, the same as drafting at every step).
 
 The choice: start from no drafts, then add draft tokens one at a time, always the one with the
 largest expected gain (the next position of some request; gains only shrink along a request's
