@@ -11,8 +11,8 @@ import pytest
 from specserve import LLM, SamplingParams
 from specserve.config import AUTO_MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from specserve.engine import cost_model as cost_module
-from specserve.engine.adaptive import (PRIOR_STRENGTHS, PROBE_BUDGET, PROBE_EVERY, PROBE_MAX, AcceptanceEstimate, PlanRow,
-                                      SpeculationPlanner)
+from specserve.engine.adaptive import (PRIOR_STRENGTHS, PROBE_BUDGET, PROBE_EVERY, PROBE_MAX, AcceptanceEstimate,
+                                      PlanRow, SpeculationPlanner)
 from specserve.engine.cost_model import KNOTS, PassCostModel, PassShape
 from specserve.errors import InvalidParameterError
 from tests.test_engine_paged import alone, assert_all_blocks_free
