@@ -162,8 +162,10 @@ class SpeculationPlanner:
 
     # ---- choosing ---------------------------------------------------------------------------
 
-    def method_rates(self) -> list[float]:
-        return self.method.rates([INITIAL_ACCEPTANCE] * self.max_depth, METHOD_PRIOR_STRENGTH)
+    def method_rates(self, positions: int | None = None) -> list[float]:
+        """The method-wide acceptance of the first `positions` draft positions (all by default)."""
+        n = self.max_depth if positions is None else positions
+        return self.method.rates([INITIAL_ACCEPTANCE] * n, METHOD_PRIOR_STRENGTH)
 
     def plan(self, base: PassShape, rows: list[PlanRow]) -> Plan:
         """Draft lengths for `rows`, given the rest of the pass (`base`: prompt chunks and one
@@ -299,10 +301,10 @@ class SpeculationPlanner:
         """Score what each prior strength predicted for this verification (the positions it
         tested: accepted before num_accepted, rejected at it), before `est` learns from it."""
         tested = min(depth, num_accepted + 1)
-        prior = self.method_rates()
+        prior = self.method_rates(tested)  # only the tested positions: this runs per verification
         for i, strength in enumerate(PRIOR_STRENGTHS):
             rates = est.rates(prior, strength)
-            err = sum(((j < num_accepted) - rates[j]) ** 2 for j in range(tested))
+            err = sum(((j < num_accepted) - a) ** 2 for j, a in enumerate(rates))
             self.strength_error[i] = STRENGTH_ERROR_DECAY * self.strength_error[i] + err
         self.strength = PRIOR_STRENGTHS[min(range(len(PRIOR_STRENGTHS)), key=self.strength_error.__getitem__)]
 
