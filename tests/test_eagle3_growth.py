@@ -216,7 +216,7 @@ def test_one_depth_shortcut_chooses_the_trees_of_the_general_selection(topk):
     budgets = [1, 3, 2, 8, max(1, topk - 1), topk]
     rows = [eagle._Row(i, f"r{i}", 0, torch.zeros(1, 1), [1], 1, n, floor=f)
             for i, (n, f) in enumerate(zip(budgets, floors))]
-    proposer = SimpleNamespace(topk=topk, drafter=SimpleNamespace(draft_ids=draft_ids), times=eagle.DraftingTimes())
+    proposer = SimpleNamespace(topk=topk, draft_ids_host=draft_ids.numpy(), times=eagle.DraftingTimes())
     got = eagle.FeatureTreeProposer._depth_one(proposer, rows, logits)
     want = eagle.TreeCandidates(logits, topk).trees([(1, n) for n in budgets], draft_ids, floors)
     assert [(t.token_ids, t.parents) for t in got] == [(t.token_ids, t.parents) for t in want]

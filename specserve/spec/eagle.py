@@ -21,6 +21,7 @@ EAGLE's heads in torch through the same flat drafter attention.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -109,6 +110,10 @@ class FeatureTreeProposer(Proposer):
         self.v_rows = self.kv.cache.v.view(1, -1, *self.kv.cache.v.shape[-2:])
         self.block_size = engine.block_size
         self.times = DraftingTimes()
+        # The draft vocabulary's target ids, as each step reads them: a tensor on the drafter's
+        # device for the growth passes' inputs, a host array for the trees.
+        self.draft_ids = drafter.draft_ids
+        self.draft_ids_host = drafter.draft_ids.cpu().numpy()
         # (B, K, depths) -> the growth metadata that does not depend on positions (a few
         # shapes per server: batch sizes up to max_num_seqs, depths up to the method's cap).
         self._shapes: dict[tuple[int, int, int], _GrowthShape] = {}
@@ -165,21 +170,24 @@ class FeatureTreeProposer(Proposer):
     def _catch_up(self, rows: list[_Row], tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass over every row's new positions, causal -> output [B, H] and logits [B, Vd] at
         each L."""
-        d = self.drafter
-        # The pass's metadata in numpy (a handful of tiny arrays: each torch op would cost more
-        # than its work), handed over without copies.
-        counts = np.fromiter((len(r.next_tokens) for r in rows), np.int64, len(rows))
-        ends = np.cumsum(counts)  # [B] one past each row's last entry
-        seq = np.repeat(np.arange(len(rows)), counts)  # [N]
-        starts = np.fromiter((r.start for r in rows), np.int64, len(rows))
-        positions = np.arange(ends[-1]) + (starts - (ends - counts))[seq]  # [N]
+        d, bs = self.drafter, self.block_size
+        # The pass's metadata from plain lists: a step usually catches up one or two positions
+        # of one request, where each numpy or torch op would cost more than the work (and a
+        # prompt's thousand positions cost ~0.1 ms here against milliseconds of pass).
+        positions: list[int] = []
+        write_rows: list[int] = []
+        q_start = [0]
+        for r, table in zip(rows, tables.tolist()):
+            span = range(r.start, r.start + len(r.next_tokens))
+            positions += span
+            write_rows += [table[p // bs] * bs + p % bs for p in span]
+            q_start.append(len(positions))
         tokens = torch.tensor([t for r in rows for t in r.next_tokens] if len(rows) > 1 else rows[0].next_tokens,
                               dtype=torch.long)
         states = torch.cat([r.states for r in rows]) if len(rows) > 1 else rows[0].states  # [N, F]
-        p = DraftPass(torch.from_numpy(positions), torch.from_numpy(self._rows_of(tables.numpy(), positions, seq)),
-                      torch.from_numpy(np.concatenate(([0], ends))), tables, self.block_size,
-                      torch.from_numpy(positions + 1),
-                      torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))))
+        pos = torch.tensor(positions, dtype=torch.long)
+        p = DraftPass(pos, torch.tensor(write_rows, dtype=torch.long), torch.tensor(q_start, dtype=torch.long), tables,
+                      bs, pos + 1, torch.tensor([r.first for r in rows], dtype=torch.long))
         # Only each row's L goes past its key and value: the others only fill the cache.
         return d.step(d.embed(tokens.to(d.device)), states.to(d.device, torch.float32), p, self.k_rows, self.v_rows,
                       last_only=True)
@@ -207,7 +215,7 @@ class FeatureTreeProposer(Proposer):
                 p = DraftPass(plan.positions[j], plan.write_rows[j], shape.q_start, tables, self.block_size,
                               plan.prefix_len, plan.kv_start, tree_row=shape.tree_row, tree_start=plan.tree_start,
                               tree_size=shape.tree_size[j], tree_mask=anc.view(-1))
-                ids = d.draft_ids.index_select(0, cands.frontier_tok.view(-1))
+                ids = self.draft_ids.index_select(0, cands.frontier_tok.view(-1))
                 out, logits = d.step(d.embed(ids), frontier_out, p, self.k_rows, self.v_rows)
                 last = j == depth - 2
                 sel = cands.expand(logits.view(len(rows), k, -1), last=last)
@@ -220,7 +228,7 @@ class FeatureTreeProposer(Proposer):
                 flat = shape.parent_row.to(sel.device).gather(1, sel).view(-1)  # [B * K] parent's row in this pass
                 frontier_out = out.index_select(0, flat)
                 frontier_anc = anc.index_select(0, flat.cpu())
-        trees = cands.trees([(r.depth, r.max_nodes) for r in rows], d.draft_ids, floors)
+        trees = cands.trees([(r.depth, r.max_nodes) for r in rows], self.draft_ids_host, floors)
         self.times.select_s += time.perf_counter() - t0
         return trees
 
@@ -231,9 +239,8 @@ class FeatureTreeProposer(Proposer):
         (~0.2 ms a step of Python and small tensors at batch 1)."""
         t0 = time.perf_counter()
         lp, tok = torch.log_softmax(root_logits, -1).topk(self.topk, dim=-1)  # [B, K], best first
-        ids = self.drafter.draft_ids.index_select(0, tok.view(-1)).view(tok.shape).tolist()
         trees = []
-        for row, scores, targets in zip(rows, lp.tolist(), ids):
+        for row, scores, targets in zip(rows, lp.tolist(), self.draft_ids_host[tok.cpu().numpy()].tolist()):
             n = min(row.max_nodes, len(scores))
             while n and scores[n - 1] < row.floor:  # scores fall along the row: what stays is a prefix
                 n -= 1
@@ -322,42 +329,62 @@ class TreeCandidates:
         self.picked.append(sel)
         return sel
 
-    def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor,
+    def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor | np.ndarray,
               floors: list[float] | None = None) -> list[DraftTree]:
         """Each row's best candidates (select_trees); draft_ids [Vd] maps draft indices to target
         ids; floors: per row, the least cumulative log-probability a node may have."""
-        k, bsz = self.k, self.tok[0].shape[0]
-        sizes = [t.shape[1] for t in self.tok]
-        # Parent candidate ids, per depth: -1 (the root) at depth 1, the frontier's ids each
-        # repeated for its k children after (depth 2's frontier is depth 1, ids 0..k-1).
-        parents = [np.full((bsz, k), -1)]
-        if len(sizes) > 1:
-            parents.append(np.broadcast_to(np.repeat(np.arange(k), k), (bsz, k * k)))
-        for i, sel in enumerate(self.picked[:len(sizes) - 2]):  # depth i + 3's parents, at depth i + 2
-            parents.append(np.repeat(sel.cpu().numpy() + (k + i * k * k), k, axis=1))
-        return select_trees(limits, draft_ids.cpu().numpy()[torch.cat(self.tok, dim=1).cpu().numpy()],
-                            torch.cat(self.score, dim=1).cpu(), np.concatenate(parents, axis=1),
-                            np.repeat(np.arange(1, len(sizes) + 1), sizes), floors)
+        k, bsz, depths = self.k, self.tok[0].shape[0], len(self.tok)
+        depth_of, tie, fixed = _candidate_layout(k, depths)
+        # Parent candidate ids: depths 1 and 2 are the layout's (fixed); depth i + 3's parents
+        # are depth i + 2's frontier, each repeated for its k children.
+        parents = [fixed[None].repeat(bsz, 0)]
+        for i, sel in enumerate(self.picked[:depths - 2]):
+            parents.append((sel.cpu().numpy() + (k + i * k * k)).repeat(k, 1))
+        ids = draft_ids if isinstance(draft_ids, np.ndarray) else draft_ids.cpu().numpy()
+        tok = torch.cat(self.tok, dim=1) if depths > 1 else self.tok[0]
+        score = torch.cat(self.score, dim=1) if depths > 1 else self.score[0]
+        return select_trees(limits, ids[tok.cpu().numpy()], score.cpu(),
+                            np.concatenate(parents, axis=1) if len(parents) > 1 else parents[0], depth_of, floors, tie)
+
+
+@functools.lru_cache(maxsize=64)
+def _candidate_layout(k: int, depths: int) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+    """What every tree of `depths` depths of top-k candidates shares: each candidate's depth [N],
+    select_trees's depth tie-break for them (float32 [N], as the product of the depths and
+    _DEPTH_TIE_BREAK), and the parents of depths 1 and 2 (-1: the root; depth 2's are depth 1's
+    ids, each repeated for its k children). Shared by every call: read, never written."""
+    sizes = [k] + [k * k] * (depths - 1)
+    depth_of = np.repeat(np.arange(1, depths + 1), sizes)
+    fixed = np.full(k, -1) if depths == 1 else np.concatenate([np.full(k, -1), np.repeat(np.arange(k), k)])
+    return depth_of, _DEPTH_TIE_BREAK * torch.from_numpy(depth_of), fixed
 
 
 def select_trees(limits: list[tuple[int, int]], tokens: np.ndarray, score: torch.Tensor, parents: np.ndarray,
-                 depth_of: np.ndarray, floors: list[float] | None = None) -> list[DraftTree]:
+                 depth_of: np.ndarray, floors: list[float] | None = None,
+                 tie: torch.Tensor | None = None) -> list[DraftTree]:
     """Each row's best candidates as DraftTrees: limits[b] = (deepest depth, most nodes) of row
     b; candidates numbered in creation order (parents before children): target ids tokens
     [B, N], cumulative log-probabilities score float32 [B, N] (host), parent candidate ids
     parents [B, N] (-1: the root) and depths depth_of [N]. floors[b]: candidates scoring below
-    it are left out (a child never scores above its parent, so what stays is a tree)."""
+    it are left out (a child never scores above its parent, so what stays is a tree). tie: the
+    depths' tie-break, _DEPTH_TIE_BREAK * depth_of, when the caller keeps it."""
     raw = score
     # float64: a tie-break of 1e-6 would vanish in float32 next to scores of -50.
-    score = score.double() - _DEPTH_TIE_BREAK * torch.from_numpy(depth_of)  # [B, N]
+    score = score.double() - (_DEPTH_TIE_BREAK * torch.from_numpy(depth_of) if tie is None else tie)  # [B, N]
+    deepest_of = int(depth_of[-1])
     trees = []
     for b, (deepest, max_nodes) in enumerate(limits):
-        allowed = depth_of <= deepest
-        if floors is not None and floors[b] > -math.inf:
-            allowed = allowed & (raw[b].numpy() >= floors[b])
-        num_allowed = int(allowed.sum())
-        s = score[b] if num_allowed == len(depth_of) else score[b].masked_fill(~torch.from_numpy(allowed), float("-inf"))
-        chosen = np.sort(s.topk(min(max_nodes, num_allowed)).indices.numpy())  # creation order: parents first
+        floor = -math.inf if floors is None else floors[b]
+        if deepest >= deepest_of and floor == -math.inf:  # every candidate may be chosen
+            s, num_allowed = score[b], len(depth_of)
+        else:
+            allowed = depth_of <= deepest
+            if floor > -math.inf:
+                allowed = allowed & (raw[b].numpy() >= floor)
+            num_allowed = int(allowed.sum())
+            s = score[b] if num_allowed == len(depth_of) else score[b].masked_fill(~torch.from_numpy(allowed), float("-inf"))
+        chosen = s.topk(min(max_nodes, num_allowed)).indices.numpy()
+        chosen.sort()  # creation order: parents first
         node_of = {c: i for i, c in enumerate(chosen.tolist())}
         trees.append(DraftTree(tokens[b, chosen].tolist(), [node_of.get(p, -1) for p in parents[b, chosen].tolist()]))
     return trees
@@ -372,6 +399,7 @@ class _GrowthShape:
 
     seq_np: np.ndarray  # [n] the request of each row
     tree_slot: np.ndarray  # [depths, n] each row's tree slot at depth j
+    level: np.ndarray  # [depths, 1] j
     seq: torch.Tensor  # [n]
     q_start: torch.Tensor  # [B + 1]
     tree_row: torch.Tensor  # [n] byte offset of each row's ancestor mask
@@ -387,7 +415,7 @@ class _GrowthShape:
         tree_slot = level * k + np.tile(np.arange(k), bsz)
         own = np.zeros((depths, n, span), dtype=np.uint8)
         own[level, np.arange(n), tree_slot] = 1
-        return cls(seq, tree_slot, torch.from_numpy(seq), torch.from_numpy(np.arange(0, n + 1, k)),
+        return cls(seq, tree_slot, level, torch.from_numpy(seq), torch.from_numpy(np.arange(0, n + 1, k)),
                    torch.from_numpy(np.arange(n) * span), torch.from_numpy(np.repeat((level + 1) * k, bsz, axis=1)),
                    torch.from_numpy(own), torch.from_numpy(np.arange(0, n, k)[:, None] + np.arange(k * k) // k))
 
@@ -406,12 +434,11 @@ class _GrowthPlan:
 
     @classmethod
     def of(cls, shape: _GrowthShape, rows: list[_Row], tables: torch.Tensor, rows_of) -> _GrowthPlan:
-        after = np.fromiter((r.last + 1 for r in rows), np.int64, len(rows))  # [B] each row's first tree slot
+        after = np.array([r.last + 1 for r in rows])  # [B] each row's first tree slot
         after_n = after[shape.seq_np]  # [n]
-        return cls(torch.from_numpy(after_n + np.arange(len(shape.tree_slot))[:, None]),
-                   torch.from_numpy(rows_of(tables.numpy(), after_n + shape.tree_slot, shape.seq_np)),
-                   torch.from_numpy(after_n), torch.from_numpy(np.fromiter((r.first for r in rows), np.int64, len(rows))),
-                   torch.from_numpy(after))
+        return cls(torch.from_numpy(after_n + shape.level), torch.from_numpy(rows_of(tables.numpy(), after_n + shape.tree_slot,
+                                                                                   shape.seq_np)),
+                   torch.from_numpy(after_n), torch.tensor([r.first for r in rows]), torch.from_numpy(after))
 
 
 MAX_DRAFT_TOPK = 32
