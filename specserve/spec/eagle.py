@@ -382,7 +382,9 @@ def select_trees(limits: list[tuple[int, int]], tokens: np.ndarray, score: torch
             if floor > -math.inf:
                 allowed = allowed & (raw[b].numpy() >= floor)
             num_allowed = int(allowed.sum())
-            s = score[b] if num_allowed == len(depth_of) else score[b].masked_fill(~torch.from_numpy(allowed), float("-inf"))
+            s = score[b]
+            if num_allowed < len(depth_of):
+                s = s.masked_fill(~torch.from_numpy(allowed), float("-inf"))
         chosen = s.topk(min(max_nodes, num_allowed)).indices.numpy()
         chosen.sort()  # creation order: parents first
         node_of = {c: i for i, c in enumerate(chosen.tolist())}
@@ -436,9 +438,9 @@ class _GrowthPlan:
     def of(cls, shape: _GrowthShape, rows: list[_Row], tables: torch.Tensor, rows_of) -> _GrowthPlan:
         after = np.array([r.last + 1 for r in rows])  # [B] each row's first tree slot
         after_n = after[shape.seq_np]  # [n]
-        return cls(torch.from_numpy(after_n + shape.level), torch.from_numpy(rows_of(tables.numpy(), after_n + shape.tree_slot,
-                                                                                   shape.seq_np)),
-                   torch.from_numpy(after_n), torch.tensor([r.first for r in rows]), torch.from_numpy(after))
+        write_rows = rows_of(tables.numpy(), after_n + shape.tree_slot, shape.seq_np)
+        return cls(torch.from_numpy(after_n + shape.level), torch.from_numpy(write_rows), torch.from_numpy(after_n),
+                   torch.tensor([r.first for r in rows]), torch.from_numpy(after))
 
 
 MAX_DRAFT_TOPK = 32
