@@ -89,7 +89,7 @@ def injected(kind: str):
                 lambda cls, params, device: holds_bad(params), SamplingTensors.from_params.__func__, message)))
         elif kind == "sample":  # after the batch drew its random numbers
             mp.setattr("specserve.engine.engine.verify_flat", raise_if(
-                lambda *args: holds_bad(args[3].params), engine_module.verify_flat, message, after=True))
+                lambda *args: holds_bad(args[3]), engine_module.verify_flat, message, after=True))
         elif kind == "forward":
             kv = engine.scheduler.kv
             mp.setattr(engine.runner, "forward_rows", raise_if(

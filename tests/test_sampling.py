@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from specserve.sample import PositionNoise, SamplingTensors, processed_probs, sample, verify
+from specserve.sample import PositionNoise, SamplingTensors, argmax_rows, processed_probs, sample, verify
 from specserve.sampling_params import SamplingParams as SP
 
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -272,3 +272,17 @@ def test_sample_frequencies_match_processed_probs(kw):
     pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
     assert pvalue > 1e-3, (chi2, dof, pvalue)
+
+
+def test_argmax_rows_is_torch_argmax_ties_and_nans_included():
+    """The host fast path (numpy) picks what torch.argmax picks: the lowest id among equal
+    maxima, a row's first NaN; other dtypes go through torch."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 300, generator=gen)
+    logits[1, [7, 40, 299]] = 9.0  # a three-way tie
+    logits[2, [3, 250]] = float("nan")
+    logits[3] = 0.0  # every id ties
+    logits[4, 100] = float("inf")
+    want = logits.argmax(-1).tolist()
+    assert argmax_rows(logits) == want == [want[0], 7, 3, 0, 100, want[5]]
+    assert argmax_rows(logits.bfloat16()) == logits.bfloat16().argmax(-1).tolist()

@@ -22,7 +22,7 @@ from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.errors import InvalidParameterError, PromptError
 from specserve.model.loader import LoadedModel
 from specserve.outputs import BONUS, CORRECTED, DRAFT, PLAIN, CompletionOutput, RequestOutput, TokenLogprob
-from specserve.sample import PositionNoise, SamplingTensors, verify_flat
+from specserve.sample import PositionNoise, argmax_rows, verify_flat
 from specserve.sample.grammar import GrammarCompiler
 from specserve.sample.processors import apply_processors, build_processors, keep_nodes
 from specserve.sample.typical import TypicalAcceptance
@@ -346,13 +346,13 @@ class LLMEngine:
         paths: dict[int, list[int]] = {}
         emitted: dict[int, list[int]] = {}
         # One argmax over the rows every sampling request has anyway (its root and nodes).
-        argmax = fwd.logits.argmax(-1).tolist() if self.keep_predictions and rows else None  # [M]
+        argmax = argmax_rows(fwd.logits) if self.keep_predictions and rows else None  # [M]
         if rows:
-            st = SamplingTensors.from_params([reqs[i].params for i in rows], fwd.logits.device)
             # The token the root's logits predict sits right after the tokens computed this step.
             positions = [starts[i] + scheduled[i].num_new_tokens for i in rows]
             out = verify_flat([trees[i] for i in rows], fwd.logits, [fwd.logit_start[i] for i in rows] + [fwd.logit_start[-1]],
-                              st, [reqs[i].noise for i in rows], positions, self.typical_acceptance)
+                              [reqs[i].params for i in rows], [reqs[i].noise for i in rows], positions,
+                              self.typical_acceptance)
             tokens_out = out.output_token_ids.tolist()
             for j, i in enumerate(rows):
                 paths[i] = out.accepted_nodes[j]

@@ -1,6 +1,6 @@
 """Logits processing, sampling and speculative verification."""
 
-from specserve.sample.logits import SamplingTensors, processed_probs
+from specserve.sample.logits import SamplingTensors, argmax_rows, processed_probs
 from specserve.sample.noise import PositionNoise, draw_exponentials
 from specserve.sample.reference import reference_verify
 from specserve.sample.sampler import race, race_rows, sample
@@ -13,6 +13,7 @@ __all__ = [
     "SamplingTensors",
     "TreeVerifyOutput",
     "VerifyOutput",
+    "argmax_rows",
     "draw_exponentials",
     "processed_probs",
     "race",

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sample.logits import SamplingTensors, processed_probs
+from specserve.sample.logits import SamplingTensors, argmax_rows, processed_probs
 from specserve.sample.noise import PositionNoise
 from specserve.sample.sampler import race_rows
 from specserve.sample.typical import TypicalAcceptance, verify_sampled_typical
 from specserve.drafts.tree import DraftTree
+from specserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +76,7 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     return _output(trees, paths, emitted, device)
 
 
-def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[int], st: SamplingTensors,
+def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[int], params: Sequence[SamplingParams],
                 noise: Sequence[PositionNoise | None], positions: Sequence[int],
                 typical: TypicalAcceptance | None = None) -> TreeVerifyOutput:
     """`tree_verify` for logits of a flattened pass: logits [M, V] raw, row b's root at row
@@ -83,30 +84,33 @@ def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[
     plain step or a prompt's last token an empty one). Nothing is padded for greedy rows;
     sampled rows are verified by `tree_verify` on a padded copy of theirs alone (their
     random numbers come from their own noise, so the result is theirs whatever else is in the
-    batch). noise and positions as in `tree_verify`."""
+    batch). params: each row's sampling parameters (greedy rows need no SamplingTensors, which
+    are built for the sampled rows alone); noise and positions as in `tree_verify`."""
     rows = len(trees)
     if len(logit_start) != rows + 1 or any(logit_start[b + 1] - logit_start[b] != 1 + t.num_nodes
                                            for b, t in enumerate(trees)):
         raise ValueError(f"logit_start {logit_start} must give each tree 1 + its nodes rows "
                          f"({[1 + t.num_nodes for t in trees]})")
-    if len(noise) != rows or len(positions) != rows:
-        raise ValueError(f"{len(noise)} noise sources and {len(positions)} positions for {rows} rows")
+    if len(noise) != rows or len(positions) != rows or len(params) != rows:
+        raise ValueError(f"{len(params)} sampling parameters, {len(noise)} noise sources and {len(positions)} "
+                         f"positions for {rows} rows")
     paths: list[list[int]] = [[] for _ in range(rows)]
     emitted = [0] * rows
-    greedy = [b for b in range(rows) if st.greedy_rows[b]]
+    greedy = [b for b in range(rows) if params[b].greedy]
     if greedy:
-        argmax = logits.argmax(-1).tolist()  # [M]
+        argmax = argmax_rows(logits)  # [M]
         for b in greedy:
             tree, off = trees[b], logit_start[b]
             paths[b] = tree.longest_path(lambda c, parent, tree=tree, off=off: tree.token_ids[c] == argmax[off + parent])
             emitted[b] = argmax[off + (paths[b][-1] + 1 if paths[b] else 0)]
-    sampled = [b for b in range(rows) if not st.greedy_rows[b]]
+    sampled = [b for b in range(rows) if not params[b].greedy]
     if sampled:
         width = 1 + max(trees[b].num_nodes for b in sampled)
         # Past a tree's own nodes a row repeats its root's logits (never read).
         index = torch.tensor([[logit_start[b] + (j if j <= trees[b].num_nodes else 0) for j in range(width)]
                               for b in sampled], device=logits.device)  # [S, width] rows of `logits`
-        sub = tree_verify([trees[b] for b in sampled], logits[index], st.select(sampled),
+        st = SamplingTensors.from_params([params[b] for b in sampled], logits.device)
+        sub = tree_verify([trees[b] for b in sampled], logits[index], st,
                           [noise[b] for b in sampled], [positions[b] for b in sampled], typical)
         out = sub.output_token_ids.tolist()
         for j, b in enumerate(sampled):
