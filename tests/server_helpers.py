@@ -84,10 +84,10 @@ def fail_seed(monkeypatch, seed: int) -> None:
 
     verify = engine_module.verify_flat
 
-    def failing(trees, logits, logit_start, st, *args):
-        if any(p.seed == seed for p in st.params):
+    def failing(trees, logits, logit_start, params, *args):
+        if any(p.seed == seed for p in params):
             raise RuntimeError("injected sampler failure")
-        return verify(trees, logits, logit_start, st, *args)
+        return verify(trees, logits, logit_start, params, *args)
 
     monkeypatch.setattr(engine_module, "verify_flat", failing)
 
