@@ -82,7 +82,8 @@ def test_verify_fails_when_greedy_output_differs(models, capsys, monkeypatch):
 
     def off_by_one(*args, **kwargs):
         out = real(*args, **kwargs)
-        out.output_token_ids[:, 0] = (out.output_token_ids[:, 0] + 1) % 8  # the first committed token, wrong
+        for row in out.token_ids:
+            row[0] = (row[0] + 1) % 8  # the first committed token, wrong
         return out
 
     import specserve.engine.engine as engine_module

@@ -353,10 +353,9 @@ class LLMEngine:
             out = verify_flat([trees[i] for i in rows], fwd.logits, [fwd.logit_start[i] for i in rows] + [fwd.logit_start[-1]],
                               [reqs[i].params for i in rows], [reqs[i].noise for i in rows], positions,
                               self.typical_acceptance)
-            tokens_out = out.output_token_ids.tolist()
             for j, i in enumerate(rows):
                 paths[i] = out.accepted_nodes[j]
-                emitted[i] = tokens_out[j][: len(paths[i]) + 1]
+                emitted[i] = out.token_ids[j]
         # A tree's accepted path is moved to the slots right after the root, where the next
         # steps (and the prefix cache) expect the committed tokens; a chain's already is.
         moved = [(fb.locations[i], [starts[i] + 1 + n for n in p], list(range(starts[i] + 1, starts[i] + 1 + len(p))))

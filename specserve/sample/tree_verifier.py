@@ -42,6 +42,16 @@ class TreeVerifyOutput:
     accepted_nodes: list[list[int]]  # per row, the accepted path's node indices, root's child first
 
 
+@dataclass(frozen=True, slots=True)
+class FlatVerifyOutput:
+    """verify_flat's result as the lists the engine reads at once (tensors it would turn back
+    into lists would cost it ~60 us a step). Per row: the tokens the step emits (the accepted
+    path's tokens, then the recovered or bonus token) and the accepted path's node indices."""
+
+    token_ids: list[list[int]]
+    accepted_nodes: list[list[int]]
+
+
 def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: SamplingTensors,
                 noise: Sequence[PositionNoise | None], positions: Sequence[int],
                 typical: TypicalAcceptance | None = None) -> TreeVerifyOutput:
@@ -78,14 +88,15 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
 
 def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[int], params: Sequence[SamplingParams],
                 noise: Sequence[PositionNoise | None], positions: Sequence[int],
-                typical: TypicalAcceptance | None = None) -> TreeVerifyOutput:
+                typical: TypicalAcceptance | None = None) -> FlatVerifyOutput:
     """`tree_verify` for logits of a flattened pass: logits [M, V] raw, row b's root at row
     logit_start[b] and its node i at logit_start[b] + 1 + i (a chain is a one-path tree, a
     plain step or a prompt's last token an empty one). Nothing is padded for greedy rows;
     sampled rows are verified by `tree_verify` on a padded copy of theirs alone (their
     random numbers come from their own noise, so the result is theirs whatever else is in the
     batch). params: each row's sampling parameters (greedy rows need no SamplingTensors, which
-    are built for the sampled rows alone); noise and positions as in `tree_verify`."""
+    are built for the sampled rows alone); noise and positions as in `tree_verify`. -> the
+    same tokens and paths as tree_verify's, as lists (FlatVerifyOutput)."""
     rows = len(trees)
     if len(logit_start) != rows + 1 or any(logit_start[b + 1] - logit_start[b] != 1 + t.num_nodes
                                            for b, t in enumerate(trees)):
@@ -116,7 +127,7 @@ def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[
         for j, b in enumerate(sampled):
             paths[b] = sub.accepted_nodes[j]
             emitted[b] = out[j][len(paths[b])]
-    return _output(trees, paths, emitted, None)
+    return FlatVerifyOutput([[trees[b].token_ids[i] for i in p] + [emitted[b]] for b, p in enumerate(paths)], paths)
 
 
 def _output(trees: list[DraftTree], paths: list[list[int]], emitted: list[int],
