@@ -218,6 +218,6 @@ def test_one_depth_shortcut_chooses_the_trees_of_the_general_selection(topk):
             for i, (n, f) in enumerate(zip(budgets, floors))]
     proposer = SimpleNamespace(topk=topk, draft_ids_host=draft_ids.numpy(), times=eagle.DraftingTimes())
     got = eagle.FeatureTreeProposer._depth_one(proposer, rows, logits)
-    want = eagle.TreeCandidates(logits, topk).trees([(1, n) for n in budgets], draft_ids, floors)
+    want = eagle.TreeCandidates(logits, topk).trees([(1, n) for n in budgets], draft_ids.numpy(), floors)
     assert [(t.token_ids, t.parents) for t in got] == [(t.token_ids, t.parents) for t in want]
     assert [t.num_nodes for t in got][:2] == [1, 0]  # a floor above every candidate leaves no tree

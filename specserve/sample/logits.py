@@ -24,12 +24,13 @@ import torch
 from specserve.sampling_params import SamplingParams
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """The argmax of each row of logits [M, V] -> M token ids, the lowest among equal maxima (and
-    a row's first NaN, as torch.argmax). Host float32 logits go through numpy: torch's argmax
-    over a vocabulary row costs ~60 us at one row on a 2-core CPU (its reduction is parallel),
-    numpy's ~5 (in the engine, right after a pass: 88 against 43 us)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+def argmax_rows(logits: torch.Tensor) -> list:
+    """The argmax over the last dimension of logits [..., V] -> token ids as nested lists of the
+    leading shape, the lowest among equal maxima (and a row's first NaN, as torch.argmax). Host
+    float32 logits go through numpy: torch's argmax over a vocabulary row costs ~60 us at one
+    row on a 2-core CPU (its reduction is parallel), numpy's ~5 (in the engine, right after a
+    pass: 88 against 43 us)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
         return logits.numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()
 

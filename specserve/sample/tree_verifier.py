@@ -68,7 +68,7 @@ def tree_verify(trees: list[DraftTree], target_logits: torch.Tensor, st: Samplin
     if len(noise) != rows or len(positions) != rows:
         raise ValueError(f"{len(noise)} noise sources and {len(positions)} positions for {rows} rows")
     device = target_logits.device
-    argmax = target_logits.argmax(-1).tolist()  # [B][1 + N_max]
+    argmax = argmax_rows(target_logits)  # [B][1 + N_max]
     paths: list[list[int]] = []
     emitted: list[int] = [0] * rows
     sampled = [b for b in range(rows) if not st.greedy_rows[b]]
@@ -127,7 +127,12 @@ def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[
         for j, b in enumerate(sampled):
             paths[b] = sub.accepted_nodes[j]
             emitted[b] = out[j][len(paths[b])]
-    return FlatVerifyOutput([[trees[b].token_ids[i] for i in p] + [emitted[b]] for b, p in enumerate(paths)], paths)
+    return FlatVerifyOutput(_emitted_rows(trees, paths, emitted), paths)
+
+
+def _emitted_rows(trees: list[DraftTree], paths: list[list[int]], emitted: list[int]) -> list[list[int]]:
+    """Per row, the tokens a step emits: its accepted path's tokens, then its emitted token."""
+    return [[trees[b].token_ids[i] for i in p] + [emitted[b]] for b, p in enumerate(paths)]
 
 
 def _output(trees: list[DraftTree], paths: list[list[int]], emitted: list[int],
@@ -135,7 +140,7 @@ def _output(trees: list[DraftTree], paths: list[list[int]], emitted: list[int],
     """The rows' accepted paths and emitted tokens as a TreeVerifyOutput (built as lists, one
     tensor each: a tensor per row costs more than the row's work)."""
     depth = max((t.max_depth for t in trees), default=0)
-    out = [[trees[b].token_ids[i] for i in p] + [emitted[b]] + [-1] * (depth - len(p)) for b, p in enumerate(paths)]
+    out = [row + [-1] * (depth + 1 - len(row)) for row in _emitted_rows(trees, paths, emitted)]
     return TreeVerifyOutput(torch.tensor(out, dtype=torch.long, device=device),
                             torch.tensor([len(p) for p in paths], device=device), paths)
 

@@ -329,10 +329,10 @@ class TreeCandidates:
         self.picked.append(sel)
         return sel
 
-    def trees(self, limits: list[tuple[int, int]], draft_ids: torch.Tensor | np.ndarray,
+    def trees(self, limits: list[tuple[int, int]], draft_ids: np.ndarray,
               floors: list[float] | None = None) -> list[DraftTree]:
-        """Each row's best candidates (select_trees); draft_ids [Vd] maps draft indices to target
-        ids; floors: per row, the least cumulative log-probability a node may have."""
+        """Each row's best candidates (select_trees); draft_ids [Vd] (host) maps draft indices to
+        target ids; floors: per row, the least cumulative log-probability a node may have."""
         k, bsz, depths = self.k, self.tok[0].shape[0], len(self.tok)
         depth_of, tie, fixed = _candidate_layout(k, depths)
         # Parent candidate ids: depths 1 and 2 are the layout's (fixed); depth i + 3's parents
@@ -340,10 +340,9 @@ class TreeCandidates:
         parents = [fixed[None].repeat(bsz, 0)]
         for i, sel in enumerate(self.picked[:depths - 2]):
             parents.append((sel.cpu().numpy() + (k + i * k * k)).repeat(k, 1))
-        ids = draft_ids if isinstance(draft_ids, np.ndarray) else draft_ids.cpu().numpy()
         tok = torch.cat(self.tok, dim=1) if depths > 1 else self.tok[0]
         score = torch.cat(self.score, dim=1) if depths > 1 else self.score[0]
-        return select_trees(limits, ids[tok.cpu().numpy()], score.cpu(),
+        return select_trees(limits, draft_ids[tok.cpu().numpy()], score.cpu(),
                             np.concatenate(parents, axis=1) if len(parents) > 1 else parents[0], depth_of, floors, tie)
 
 
