@@ -252,3 +252,73 @@ def test_resume_with_other_settings_is_refused(eagle_runs):
     cfg = dict(eagle_runs["cfg"], seed=4)
     with pytest.raises(InvalidParameterError, match="seed"):
         train_draft(TrainDraftConfig(**cfg, out=str(eagle_runs["a"]), resume=True), log=lambda m: None)
+
+
+def test_captured_final_states_are_what_the_target_head_reads(bigram):
+    """capture_states(final=True): the same pass's final hidden states, which the target's head
+    turns into exactly its logits, and the three layers' states as without them; TargetHead
+    (what --targets probs trains toward) is that head at the draft ids."""
+    from specserve.model.runner import ForwardBatch, ModelRunner
+    from specserve.train.eagle3 import TargetHead
+    from specserve.train.features import capture_states
+
+    target = bigram["loaded"]
+    seqs = [[5, 9, 13, 5, 9], [7, 21, 30, 2, 8, 40, 11]]
+    states, finals = capture_states(target, seqs, (0, 0, 0), final=True)
+    alone, none = capture_states(target, seqs, (0, 0, 0))
+    assert none is None and all(torch.equal(a, b) for a, b in zip(states, alone))
+    ids = torch.tensor([3, 17, 5, 40, 9])
+    head = TargetHead(target, ids)
+    for seq, final in zip(seqs, finals):
+        runner = ModelRunner.dense(target.model, 1, len(seq))
+        out = runner.forward(ForwardBatch([0], [0], [seq], all_logits=True, keep_hidden=True))
+        assert torch.equal(final, out.hidden[0].half())  # stored as float16
+        torch.testing.assert_close(head(out.hidden[0].float()), out.logits[0][:, ids])
+
+
+def test_soft_targets_that_are_one_hot_give_the_labels_cross_entropy(bigram):
+    """The probabilities' cross-entropy is the labels' when the target puts all its mass on
+    its argmax: the two objectives differ only by what else the target weighs."""
+    from specserve.train.objectives import _step
+
+    class Vocab:
+        def vocab(self, rows):
+            return rows @ torch.arange(24.0).reshape(4, 6).sin()
+
+    hidden = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[1, 5, -1, 0, 2], [3, 3, 4, -1, 1]])
+    valid = torch.tensor([[True, True, True, False, True], [False, True, True, True, True]])
+    probs = torch.nn.functional.one_hot(labels.clamp(min=0), 6).float()
+    hard = _step(Vocab(), hidden, None, labels, valid, True, 0.8)
+    soft = _step(Vocab(), hidden, None, labels, valid, True, 0.8, probs)
+    torch.testing.assert_close(soft.loss, hard.loss)
+    assert torch.equal(soft.correct, hard.correct) and torch.equal(soft.ranks, hard.ranks)
+
+
+def test_eagle3_learns_toward_the_target_probabilities(bigram, eagle3_run):
+    """--targets probs: the states file gains the final hidden states (recomputed once; a later
+    argmax run reads the same file), the run learns the target's choices, and it records the
+    setting; a run recorded before the setting existed resumes as argmax."""
+    cfg = dict(eagle3_run["cfg"], targets="probs")
+    features = eagle3_run["root"] / "cache" / "features-00000.safetensors"
+    assert "final" not in load_file(str(features))
+    out = eagle3_run["root"] / "probs"
+    _, report = train_draft(TrainDraftConfig(**cfg, out=str(out), epochs=3), log=lambda m: None)
+    assert "final" in load_file(str(features))
+    stamp = features.stat().st_mtime_ns
+    training = json.loads((out / "config.json").read_text())["specserve"]["extra"]["training"]
+    assert training["settings"]["targets"] == "probs"
+    untrained = training["history"][0]["held_out"]
+    assert report.top1_by_depth[0] > max(0.5, untrained["top1_by_depth"][0] + 0.3) > 10 * report.chance_top1
+    # The first run's folder, its run.json as written before --targets: resumes as argmax.
+    run = eagle3_run["out"] / "run.json"
+    recorded = json.loads(run.read_text())
+    recorded.pop("targets")
+    run.write_text(json.dumps(recorded))
+    train_draft(TrainDraftConfig(**eagle3_run["cfg"], out=str(eagle3_run["out"]), epochs=3, resume=True),
+                log=lambda m: None)
+    assert features.stat().st_mtime_ns == stamp
+    with pytest.raises(InvalidParameterError, match="targets"):
+        train_draft(TrainDraftConfig(**cfg, out=str(eagle3_run["out"]), epochs=3, resume=True), log=lambda m: None)
+    with pytest.raises(InvalidParameterError, match="probs is for --method eagle3"):
+        TrainDraftConfig(method="eagle", target="default", out="x", targets="probs")

@@ -146,6 +146,15 @@ class ModelRunner:
         kept = (hidden if aux is None else aux) if batch.keep_hidden else None
         return FlatForwardOutput(logits.float(), logit_start, kept, token_start)
 
+    @torch.inference_mode()
+    def states(self, batch: ForwardBatch) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """One pass computing no logits -> per request its final hidden states [T_i, hidden]
+        and, when the batch names aux_layers, its captured states [T_i, len * hidden] (else
+        None): what drafter training reads (train/features.py)."""
+        hidden, flat, aux = self._hidden_flat(batch)
+        bounds = list(zip(flat.q_start.tolist(), flat.q_start.tolist()[1:]))
+        return [hidden[a:b] for a, b in bounds], None if aux is None else [aux[a:b] for a, b in bounds]
+
     def forward_last(self, batch: ForwardBatch) -> ForwardOutput:
         """Logits at each request's last token [B, 1, V], for a batch of ragged lengths (prompt
         chunks next to decodes): one pass, whatever the lengths (see flat_attention.py)."""

@@ -78,8 +78,10 @@ def make_batches(data: Recorded, indices: list[int], tokens_per_batch: int, seed
     return [batches[i] for i in perm]
 
 
-def collate(data: Recorded, batch: list[int], depth: int, index: torch.Tensor, device: torch.device) -> SequenceBatch:
-    """Pad the sequences to the longest plus `depth` (see SequenceBatch)."""
+def collate(data: Recorded, batch: list[int], depth: int, index: torch.Tensor, device: torch.device,
+            finals: bool = False) -> SequenceBatch:
+    """Pad the sequences to the longest plus `depth` (see SequenceBatch); with `finals` the
+    batch carries the target's final hidden states too (data.finals)."""
     width = max(len(data.tokens[i]) for i in batch) + depth
     first = data.features[batch[0]]
     tokens = torch.zeros(len(batch), width, dtype=torch.int64)
@@ -88,10 +90,14 @@ def collate(data: Recorded, batch: list[int], depth: int, index: torch.Tensor, d
     features = torch.zeros(len(batch), width, first.shape[1], dtype=first.dtype)
     labels = torch.full((len(batch), width), -1, dtype=torch.int64)
     valid = torch.zeros(len(batch), width, dtype=torch.bool)
+    final = torch.zeros(len(batch), width, data.finals[batch[0]].shape[1], dtype=first.dtype) if finals else None
     for row, i in enumerate(batch):
         n = len(data.tokens[i])
         tokens[row, :n] = data.tokens[i]
         features[row, :n] = data.features[i]
+        if final is not None:
+            final[row, :n] = data.finals[i]
         labels[row, :n] = index[data.labels[i]]
         valid[row, :n] = answer_mask(n, data.prompt_lens[i])
-    return SequenceBatch(tokens.to(device), features.to(device).float(), labels.to(device), valid.to(device), depth)
+    return SequenceBatch(tokens.to(device), features.to(device).float(), labels.to(device), valid.to(device), depth,
+                         None if final is None else final.to(device).float())

@@ -59,6 +59,10 @@ def add_train_parser(sub) -> None:
     t.add_argument("--init", default=None,
                    help="eagle3: start from this drafter folder's weights ('default': the shipped one) and "
                         "fine-tune it on this run's data; its draft vocabulary and target layers are kept")
+    t.add_argument("--targets", default=d.targets, choices=["argmax", "probs"],
+                   help="eagle3: train each position toward the target's argmax (one-hot) or its probabilities over "
+                        "the draft vocabulary (EAGLE-3's reference training; the target's final hidden states are "
+                        "recomputed beside the three layers')")
     t.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's own); 1 on a CPU shared with other busy processes")
 
@@ -76,7 +80,7 @@ def run_train(args, argv: list[str]) -> int:
         depth=args.depth, eval_depth=args.eval_depth, draft_vocab=args.draft_vocab, tokens_per_batch=args.batch_tokens,
         held_out=args.held_out, tree_nodes=args.tree_nodes, save_dtype=args.save_dtype, device=args.device,
         resume=args.resume, generator=args.generator, data_minutes=args.data_minutes, train_minutes=args.train_minutes,
-        init=args.init,
+        init=args.init, targets=args.targets,
         command=shlex.join(["specserve", *argv]))
     if args.threads is not None:
         if args.threads < 1:

@@ -18,6 +18,11 @@ METHOD_DEFAULTS = {"eagle": {"depth": 3, "epochs": 12, "lr": 1e-3}, "medusa": {"
                    "eagle3": {"depth": 5, "epochs": 2, "lr": 5e-4, "chunk_size": 64}}
 TRAIN_METHODS = tuple(METHOD_DEFAULTS)
 GENERATORS = ("auto", "engine", "batch")
+# What each position is trained toward: the target's argmax (one-hot cross-entropy) or its
+# probabilities over the draft vocabulary (EAGLE-3's reference training: every token the target
+# weighs teaches, not only its first choice). Held-out accuracy is scored against the argmax
+# either way.
+TARGETS = ("argmax", "probs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,7 @@ class TrainDraftConfig:
     # fine-tuning a published or earlier drafter on this run's data (its draft vocabulary and
     # target layers are kept).
     init: str | None = None
+    targets: str = "argmax"  # TARGETS; "probs" for eagle3 only
 
     def __post_init__(self) -> None:
         if self.method not in TRAIN_METHODS:
@@ -76,6 +82,10 @@ class TrainDraftConfig:
             raise InvalidParameterError("held-out", self.held_out, "must lie in (0, 1)")
         if self.init is not None and self.method != "eagle3":
             raise InvalidParameterError("init", self.init, "is an EAGLE-3 drafter to start from: only with --method eagle3")
+        if self.targets not in TARGETS:
+            raise InvalidParameterError("targets", self.targets, f"must be one of {', '.join(TARGETS)}")
+        if self.targets == "probs" and self.method != "eagle3":
+            raise InvalidParameterError("targets", self.targets, "probs is for --method eagle3 (the others train toward the argmax)")
         if self.generator not in GENERATORS:
             raise InvalidParameterError("generator", self.generator, f"must be one of {', '.join(GENERATORS)}")
         for name in ("data_minutes", "train_minutes"):
@@ -102,6 +112,12 @@ class TrainDraftConfig:
     @property
     def score_depth(self) -> int:
         return self.eval_depth if self.method in ("eagle", "eagle3") else self.depth
+
+    @staticmethod
+    def default_of(name: str):
+        """A setting's default, for a run recorded before the setting existed."""
+        f = TrainDraftConfig.__dataclass_fields__[name]
+        return None if f.default is dataclasses.MISSING else f.default
 
     def identity(self) -> dict:
         """The settings that shape data and training: a --resume must not change them."""

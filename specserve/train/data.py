@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,6 +69,9 @@ class Recorded:
     features: list[torch.Tensor]
     labels: list[torch.Tensor]  # [T] int64: the target's argmax at each position (full vocabulary)
     prompt_lens: list[int]
+    # EAGLE-3 trained toward the target's probabilities: [T, H] float16 final hidden states
+    # (the LM head's input) per sequence, once train/features.py has recomputed them; else empty
+    finals: list[torch.Tensor] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from specserve.errors import InvalidParameterError
+from specserve.model.llama import softcap
 from specserve.model.loader import LoadedModel, load_model
 from specserve.spec.heads.config import SAVE_DTYPES, TargetIdentity
 from specserve.spec.heads.drafter import vocab_projection_weight
@@ -60,6 +61,21 @@ class _DraftHead(nn.Module):
         return self.head.logits(rows)
 
 
+class TargetHead(nn.Module):
+    """The target's own head over the draft vocabulary, frozen: final hidden states [..., Ht] ->
+    its logits at the draft ids [..., Vd] (soft-capped as the target caps them), what training
+    toward the target's probabilities reads (`--targets probs`)."""
+
+    def __init__(self, target: LoadedModel, draft_ids: torch.Tensor):
+        super().__init__()
+        rows = vocab_projection_weight(target)[draft_ids.to(target.model.device)].float().cpu()
+        self.register_buffer("weight", rows)  # [Vd, Ht]
+        self.cap = target.config.final_logit_softcapping
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return softcap(hidden @ self.weight.t().to(hidden.dtype), self.cap)
+
+
 @dataclass(slots=True)
 class Eagle3Trainee:
     """An EAGLE-3 head in training, shaped as the shared trainer and evaluator read a drafter."""
@@ -68,6 +84,7 @@ class Eagle3Trainee:
     vocab: _DraftHead
     embed: nn.Module  # the target's frozen embedding
     config: _Method
+    teacher: TargetHead | None = None  # --targets probs: the target's head over the draft vocabulary
 
 
 def eagle3_config(target: LoadedModel, draft_vocab_size: int) -> Eagle3Config:
@@ -143,7 +160,8 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
     data = load_data(shards)
     layers = init.config.aux_layers if init is not None else default_aux_layers(target.config.num_layers)
     started_from = _init_record(cfg, init) if init is not None else None
-    attach_states(target, data, shards, layers)
+    probs = cfg.targets == "probs"
+    attach_states(target, data, shards, layers, final=probs)
     t_data = time.perf_counter() - t0
     train_ids, held_ids = split(len(data), cfg.held_out, cfg.seed)
     log(f"data: {len(data)} sequences ({data.num_answer_tokens(train_ids)} answer tokens to train on, "
@@ -162,6 +180,8 @@ def train_eagle3(cfg: TrainDraftConfig, out: Path, log=print) -> tuple[Path, Hel
     log(f"draft vocabulary: {len(ids)} tokens covering {100 * coverage:.2f}% of the target's answer tokens")
     torch.manual_seed(cfg.seed)
     trainee = _trainee(target, init.head) if init is not None else new_trainee(target, ids)
+    if probs:
+        trainee.teacher = TargetHead(target, trainee.vocab.ids).to(trainee.vocab.ids.device)
     index = vocab_index(ids, vocab_size).to(trainee.vocab.ids.device)
     opt = new_optimizer(trainee, cfg.lr)
 

@@ -1,9 +1,12 @@
 """EAGLE-3's target states, recomputed from token ids: teacher-forced prefill passes of the
-target that capture the residual streams entering its low, middle and high layers.
+target that capture the residual streams entering its low, middle and high layers, and, for
+training toward the target's probabilities (`--targets probs`), its final hidden states (the
+LM head's input).
 
-Kept next to the token shards as features-NNNNN.safetensors ([sum T, 3 Ht] float16, one per
-shard, written under a temporary name and renamed), a cache that can be deleted at any time: it
-is remade from the tokens, which are what a data set keeps."""
+Kept next to the token shards as features-NNNNN.safetensors ("states" [sum T, 3 Ht] and
+"final" [sum T, Ht] float16, one file per shard, written under a temporary name and renamed),
+a cache that can be deleted at any time: it is remade from the tokens, which are what a data
+set keeps."""
 
 from __future__ import annotations
 
@@ -34,19 +37,24 @@ def features_path(shard: Path) -> Path:
 
 @torch.inference_mode()
 def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tuple[int, ...],
-                   progress: Callable[[int], object] | None = None) -> list[torch.Tensor]:
-    """[T_i, len(layers) * H] float16 per sequence: the residual streams entering `layers`;
-    progress(n) after each pass, n its sequences (a shard takes minutes on a CPU)."""
+                   progress: Callable[[int], object] | None = None,
+                   final: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    """Per sequence the residual streams entering `layers` [T_i, len(layers) * H] float16, and
+    with `final` its final hidden states [T_i, H] float16 (else None); progress(n) after each
+    pass, n its sequences (a shard takes minutes on a CPU)."""
     out: list[torch.Tensor] = []
+    finals: list[torch.Tensor] = []
     group: list[list[int]] = []
 
     def flush() -> None:
         if not group:
             return
         runner = ModelRunner.dense(target.model, len(group), max(len(s) for s in group))
-        fwd = runner.forward(ForwardBatch(list(range(len(group))), [0] * len(group), group, all_logits=False,
-                                          keep_hidden=True, aux_layers=layers))
-        out.extend(h.to("cpu", STORE_DTYPE) for h in fwd.hidden)
+        hidden, aux = runner.states(ForwardBatch(list(range(len(group))), [0] * len(group), group, all_logits=False,
+                                                 keep_hidden=True, aux_layers=layers))
+        out.extend(h.to("cpu", STORE_DTYPE) for h in aux)
+        if final:
+            finals.extend(h.to("cpu", STORE_DTYPE) for h in hidden)
         if progress is not None:
             progress(len(group))
         group.clear()
@@ -57,47 +65,55 @@ def capture_states(target: LoadedModel, sequences: list[list[int]], layers: tupl
             flush()
         group.append(list(seq))
     flush()
-    return out
+    return out, finals if final else None
 
 
-def attach_states(target: LoadedModel, data: Recorded, shards: list[Path], layers: tuple[int, ...]) -> None:
-    """Fill data.features with every sequence's captured states, shard by shard (data holds
-    the shards' sequences in order, as load_data reads them), computing the missing files."""
+def attach_states(target: LoadedModel, data: Recorded, shards: list[Path], layers: tuple[int, ...],
+                  final: bool = False) -> None:
+    """Fill data.features with every sequence's captured states (and data.finals with its final
+    hidden states, with `final`), shard by shard (data holds the shards' sequences in order, as
+    load_data reads them), computing the missing files."""
     counts = [len(load_file(str(s))["offsets"]) - 1 for s in shards]
     if sum(counts) != len(data):
         raise SpecserveError(f"the data holds {len(data)} sequences, its shards {sum(counts)}")
     data.features.clear()
+    data.finals.clear()
     first = 0
-    todo = [i for i, s in enumerate(shards) if not _readable(features_path(s), layers)]
+    todo = [i for i, s in enumerate(shards) if not _readable(features_path(s), layers, final)]
     bar = tqdm(total=sum(counts[i] for i in todo), desc="recomputing target states", unit="seq")
     for i, shard in enumerate(shards):
         seqs = range(first, first + counts[i])
         path = features_path(shard)
         if i in todo:
-            states = capture_states(target, [data.tokens[j].tolist() for j in seqs], layers, bar.update)
+            states, finals = capture_states(target, [data.tokens[j].tolist() for j in seqs], layers, bar.update, final)
+            tensors = {"states": torch.cat(states) if states else torch.zeros(0, 3, dtype=STORE_DTYPE)}
+            if finals is not None:
+                tensors["final"] = torch.cat(finals) if finals else torch.zeros(0, 1, dtype=STORE_DTYPE)
             tmp = path.with_suffix(".tmp")
-            save_file({"states": torch.cat(states) if states else torch.zeros(0, 3, dtype=STORE_DTYPE)}, str(tmp),
-                      metadata={"layers": ",".join(map(str, layers))})
+            save_file(tensors, str(tmp), metadata={"layers": ",".join(map(str, layers))})
             os.replace(tmp, path)
         else:
-            flat = load_file(str(path))["states"]
+            stored = load_file(str(path))
             lengths = [len(data.tokens[j]) for j in seqs]
-            if flat.shape[0] != sum(lengths):
+            if stored["states"].shape[0] != sum(lengths):
                 raise SpecserveError(f"{path} does not match its shard; delete it and run again")
-            states = list(flat.split(lengths))
+            states = list(stored["states"].split(lengths))
+            finals = list(stored["final"].split(lengths)) if final else None
         data.features.extend(states)
+        if final:
+            data.finals.extend(finals)
         first += counts[i]
     bar.close()
 
 
-def _readable(path: Path, layers: tuple[int, ...]) -> bool:
-    """A features file exists and was captured at `layers`."""
+def _readable(path: Path, layers: tuple[int, ...], final: bool) -> bool:
+    """A features file exists, was captured at `layers`, and holds final states where asked."""
     if not path.is_file():
         return False
     try:
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
-            return (f.metadata() or {}).get("layers") == ",".join(map(str, layers))
+            return (f.metadata() or {}).get("layers") == ",".join(map(str, layers)) and (not final or "final" in f.keys())
     except (SafetensorError, OSError):
         return False

@@ -49,6 +49,9 @@ class SequenceBatch:
     labels: torch.Tensor  # [B, T + depth] int64 draft-vocab index of the target's argmax, -1 outside it
     valid: torch.Tensor  # [B, T + depth] bool: label positions in the answer (prompt_len - 1 <= p <= len - 2)
     depth: int
+    # [B, T + depth, Ht] float32 the target's final hidden states (EAGLE-3 trained toward the
+    # target's probabilities, which its head makes of them); None: trained toward the labels
+    target_final: torch.Tensor | None = None
 
     @property
     def width(self) -> int:
@@ -90,14 +93,22 @@ class UnrolledAttention:
 
 
 def _step(drafter: Drafter, hidden: torch.Tensor, target_features: torch.Tensor | None,
-          labels: torch.Tensor, valid: torch.Tensor, want_ranks: bool, weight: float = 1.0) -> StepResult:
+          labels: torch.Tensor, valid: torch.Tensor, want_ranks: bool, weight: float = 1.0,
+          probs: torch.Tensor | None = None) -> StepResult:
     """hidden [B, T, H] predicted features; labels, valid [B, T] at their label positions.
-    weight scales the step's loss (EAGLE-3 weighs later unrolled steps less)."""
+    weight scales the step's loss (EAGLE-3 weighs later unrolled steps less). probs [B, T, Vd]:
+    the target's probabilities over the draft vocabulary, the cross-entropy's target instead of
+    the labels (at the same positions: those whose label the draft vocabulary holds)."""
     rows = hidden[valid]  # [M, H]
     logits = drafter.vocab(rows)  # [M, Vd]
     lab = labels[valid]
     known = lab >= 0
-    ce = F.cross_entropy(logits[known], lab[known]) if bool(known.any()) else logits.sum() * 0
+    if not bool(known.any()):
+        ce = logits.sum() * 0
+    elif probs is None:
+        ce = F.cross_entropy(logits[known], lab[known])
+    else:
+        ce = -(probs[valid][known] * F.log_softmax(logits[known].float(), dim=-1)).sum(-1).mean()
     loss = ce
     if target_features is not None:
         reg = F.smooth_l1_loss(rows, target_features[valid]) if rows.numel() else rows.sum()
@@ -144,11 +155,18 @@ def eagle3_steps(drafter, batch: SequenceBatch, noise: torch.Generator | None = 
     reads fc(the target's three captured states) [B, T, 3 Ht] -> [B, T, H]; step s > 1 reads
     the drafter's own output of step s - 1. Cross-entropy only (no feature regression: the
     drafter's features need not imitate any target state). `drafter` is an Eagle3Trainee
-    (train/eagle3.py); noise is unused (the unrolled steps are EAGLE-3's own robustness)."""
+    (train/eagle3.py); noise is unused (the unrolled steps are EAGLE-3's own robustness).
+    While training, a batch with the target's final states and a drafter with the target's
+    head (`teacher`) train toward the target's probabilities; the held-out loss stays the
+    labels' cross-entropy, comparable across runs."""
     t = batch.width
     head = drafter.heads
+    teacher = getattr(drafter, "teacher", None)
     with torch.no_grad():
         embeds = drafter.embed(batch.tokens).float()  # [B, T + depth, H], the frozen target embedding
+        probs = None
+        if head.training and teacher is not None and batch.target_final is not None:
+            probs = torch.softmax(teacher(batch.target_final).float(), dim=-1)  # [B, T + depth, Vd]
     feature = head.fuse(batch.features[:, :t])
     positions = torch.arange(t, device=feature.device).expand(feature.shape[0], t)
     cache = UnrolledAttention()
@@ -156,7 +174,7 @@ def eagle3_steps(drafter, batch: SequenceBatch, noise: torch.Generator | None = 
     for s in range(1, batch.depth + 1):
         feature = head(embeds[:, s:s + t], feature, positions + (s - 1), None, cache)
         out.append(_step(drafter, feature, None, batch.labels[:, s:s + t], batch.valid[:, s:s + t], want_ranks,
-                         STEP_DECAY ** (s - 1)))
+                         STEP_DECAY ** (s - 1), None if probs is None else probs[:, s:s + t]))
     return out
 
 

@@ -94,7 +94,7 @@ def _prepare_out(out: Path, cfg: TrainDraftConfig) -> None:
     if cfg.resume:
         if run.is_file():
             before = json.loads(run.read_text())
-            changed = sorted(k for k, v in cfg.identity().items() if before.get(k) != v)
+            changed = sorted(k for k, v in cfg.identity().items() if before.get(k, cfg.default_of(k)) != v)
             if changed:
                 raise InvalidParameterError("resume", str(out), f"was started with other settings ({', '.join(changed)}); "
                                             "resume with the same ones or use another --out")

@@ -84,7 +84,7 @@ def train_epochs(drafter: Drafter, opt: torch.optim.AdamW, data: Recorded, train
                 break
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, total, plan.lr)
-            batch = collate(data, batch_ids, plan.depth, index, device)
+            batch = collate(data, batch_ids, plan.depth, index, device, finals=bool(data.finals))
             with mixed_precision(device):
                 steps = drafter_steps(drafter, batch, noise)
                 loss = torch.stack([s.loss for s in steps]).mean()
