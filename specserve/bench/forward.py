@@ -10,8 +10,10 @@ interleaved, round after round, and the median is reported, because the machines
     python -m specserve.bench.forward [--model default] [--contexts 100 1000]
         [--paths gguf int8 float32 bfloat16] [--levels avx512_vnni avx2 generic]
 
-A path is a --quantization (gguf, int8, int4: specserve's native kernels) or a torch dtype
-(float32, bfloat16); native paths run at each CPU level asked for (capped at the machine's).
+A path is a --quantization (gguf, int8, int4, q8_0, q4_0, q4_1: specserve's native kernels on the
+file's blocks or re-quantized at load, so an F16 file of `bench.synthetic` can be measured
+without llama.cpp's quantizer) or a torch dtype (float32, bfloat16); native paths run at each
+CPU level asked for (capped at the machine's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from specserve.bench.llama_bench import find_llama_bench, llama_bench_ms, read_b
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.hardware import Isa, machine, native_level
 from specserve.model.loader import load_model
+from specserve.model.native_llama import QUANT_FORMATS
 
 
 def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int, vocab: int,
@@ -49,7 +52,7 @@ def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int,
 
 def _load(model: str, path: str, device: str, max_len: int):
     """The model on `path`, its position tables covering the longest context measured."""
-    if path in ("gguf", "int8", "int4"):
+    if path == "gguf" or path in QUANT_FORMATS:  # the native kernels: the file's blocks, or re-quantized at load
         return load_model(model, device=device, quantization=path, max_model_len=max_len)
     return load_model(model, dtype=path, device=device, quantization="none", max_model_len=max_len)
 
