@@ -68,3 +68,15 @@ def test_a_llama_bench_that_crashes_with_repacked_weights_is_measured_without_th
     assert llama_bench_ms(str(fake), tmp_path / "m.gguf", 100, 1, 2) == pytest.approx(4.0)
     assert llama_bench_ms(str(fake), tmp_path / "m.gguf", 100, 5, 2) == pytest.approx(20.0)
     assert capsys.readouterr().err.count("measured with --repack 0") == 1
+
+
+def test_forward_bench_takes_a_requantization_as_a_path(tmp_path):
+    """bench.forward's paths: the native formats by name re-quantize an F16 file at load (what
+    the 1.7B-shaped measurements use without llama.cpp's quantizer), dtypes stay torch's."""
+    from specserve.bench.forward import _load
+
+    path = write_synthetic_gguf(Shape("llama", 64, 2, 4, 2, 128, 400, True, 10000.0), tmp_path / "m.gguf")
+    q4 = _load(str(path), "q4_0", "cpu", 64)
+    assert q4.model.native and q4.model.quantization == "q4_0"
+    assert weight_bytes(q4.model) < weight_bytes(_load(str(path), "q8_0", "cpu", 64).model)
+    assert not getattr(_load(str(path), "float32", "cpu", 64).model, "native", False)
