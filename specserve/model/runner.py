@@ -152,7 +152,8 @@ class ModelRunner:
         and, when the batch names aux_layers, its captured states [T_i, len * hidden] (else
         None): what drafter training reads (train/features.py)."""
         hidden, flat, aux = self._hidden_flat(batch)
-        bounds = list(zip(flat.q_start.tolist(), flat.q_start.tolist()[1:]))
+        starts = flat.q_start.tolist()
+        bounds = list(zip(starts, starts[1:]))
         return [hidden[a:b] for a, b in bounds], None if aux is None else [aux[a:b] for a, b in bounds]
 
     def forward_last(self, batch: ForwardBatch) -> ForwardOutput:

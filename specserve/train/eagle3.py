@@ -61,6 +61,11 @@ class _DraftHead(nn.Module):
         return self.head.logits(rows)
 
 
+def target_head_rows(target: LoadedModel, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The target's vocabulary projection at the draft ids [Vd, Ht], float32 on the CPU."""
+    return vocab_projection_weight(target)[draft_ids.to(target.model.device)].float().cpu()
+
+
 class TargetHead(nn.Module):
     """The target's own head over the draft vocabulary, frozen: final hidden states [..., Ht] ->
     its logits at the draft ids [..., Vd] (soft-capped as the target caps them), what training
@@ -68,8 +73,7 @@ class TargetHead(nn.Module):
 
     def __init__(self, target: LoadedModel, draft_ids: torch.Tensor):
         super().__init__()
-        rows = vocab_projection_weight(target)[draft_ids.to(target.model.device)].float().cpu()
-        self.register_buffer("weight", rows)  # [Vd, Ht]
+        self.register_buffer("weight", target_head_rows(target, draft_ids))  # [Vd, Ht]
         self.cap = target.config.final_logit_softcapping
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -104,7 +108,7 @@ def new_trainee(target: LoadedModel, draft_ids: torch.Tensor) -> Eagle3Trainee:
     head = Eagle3Head(cfg, target.model.max_positions)
     with torch.no_grad():
         head.draft_ids.copy_(draft_ids.long())
-        head.lm_head.weight.copy_(vocab_projection_weight(target)[draft_ids.to(target.model.device)].float().cpu())
+        head.lm_head.weight.copy_(target_head_rows(target, draft_ids))
         head.norm.weight.copy_(_final_norm(target))
     return _trainee(target, head)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -93,12 +93,15 @@ def attach_states(target: LoadedModel, data: Recorded, shards: list[Path], layer
             save_file(tensors, str(tmp), metadata={"layers": ",".join(map(str, layers))})
             os.replace(tmp, path)
         else:
-            stored = load_file(str(path))
+            # Only what the run reads: an argmax run leaves a file's final states on disk.
+            with safe_open(str(path), "pt") as f:
+                flat = f.get_tensor("states")
+                flat_final = f.get_tensor("final") if final else None
             lengths = [len(data.tokens[j]) for j in seqs]
-            if stored["states"].shape[0] != sum(lengths):
+            if flat.shape[0] != sum(lengths):
                 raise SpecserveError(f"{path} does not match its shard; delete it and run again")
-            states = list(stored["states"].split(lengths))
-            finals = list(stored["final"].split(lengths)) if final else None
+            states = list(flat.split(lengths))
+            finals = list(flat_final.split(lengths)) if final else None
         data.features.extend(states)
         if final:
             data.finals.extend(finals)
@@ -111,8 +114,6 @@ def _readable(path: Path, layers: tuple[int, ...], final: bool) -> bool:
     if not path.is_file():
         return False
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             return (f.metadata() or {}).get("layers") == ",".join(map(str, layers)) and (not final or "final" in f.keys())
     except (SafetensorError, OSError):

@@ -161,12 +161,11 @@ def eagle3_steps(drafter, batch: SequenceBatch, noise: torch.Generator | None = 
     labels' cross-entropy, comparable across runs."""
     t = batch.width
     head = drafter.heads
-    teacher = getattr(drafter, "teacher", None)
     with torch.no_grad():
         embeds = drafter.embed(batch.tokens).float()  # [B, T + depth, H], the frozen target embedding
         probs = None
-        if head.training and teacher is not None and batch.target_final is not None:
-            probs = torch.softmax(teacher(batch.target_final).float(), dim=-1)  # [B, T + depth, Vd]
+        if head.training and drafter.teacher is not None and batch.target_final is not None:
+            probs = torch.softmax(drafter.teacher(batch.target_final).float(), dim=-1)  # [B, T + depth, Vd]
     feature = head.fuse(batch.features[:, :t])
     positions = torch.arange(t, device=feature.device).expand(feature.shape[0], t)
     cache = UnrolledAttention()
