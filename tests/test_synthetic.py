@@ -80,3 +80,21 @@ def test_forward_bench_takes_a_requantization_as_a_path(tmp_path):
     assert q4.model.native and q4.model.quantization == "q4_0"
     assert weight_bytes(q4.model) < weight_bytes(_load(str(path), "q8_0", "cpu", 64).model)
     assert not getattr(_load(str(path), "float32", "cpu", 64).model, "native", False)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
+def test_qgemm_bench_prints_one_row_per_copies_and_size(capsys, fmt):
+    """bench.qgemm times the product alone, hot in cache (one copy) and streamed (several):
+    one row per (copies, T), the first size's ratio 1, cycles per unit-row with --ghz."""
+    from specserve.bench.qgemm import main
+
+    main(["--format", fmt, "--rows", "64", "--cols", "128", "--sizes", "1", "3", "--copies", "1", "2",
+          "--rounds", "2", "--threads", "1", "--ghz", "3.0"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("#") and f"{fmt} [64 x 128]" in lines[0]
+    rows = [line.split() for line in lines[2:]]
+    assert [(r[0], r[2]) for r in rows] == [("1", "1"), ("1", "3"), ("2", "1"), ("2", "3")]
+    assert rows[0][6] == "1.00" and rows[2][6] == "1.00"
+    assert all(len(r) == 8 and float(r[3]) > 0 and float(r[7]) > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        main(["--rows", "40"])
