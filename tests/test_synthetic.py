@@ -98,3 +98,30 @@ def test_qgemm_bench_prints_one_row_per_copies_and_size(capsys, fmt):
     assert all(len(r) == 8 and float(r[3]) > 0 and float(r[7]) > 0 for r in rows)
     with pytest.raises(SystemExit):
         main(["--rows", "40"])
+
+
+def test_qgemm_bench_takes_a_tensor_from_a_gguf(tmp_path, capsys):
+    """bench.qgemm --gguf measures a file's own blocks (any type the kernels take); a tensor they
+    do not take, or one the file lacks, is refused with its name."""
+    import gguf
+    from gguf.quants import quantize
+
+    from specserve.bench.qgemm import main
+
+    path = tmp_path / "w.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    x = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32)
+    w.add_tensor("blk.0.ffn_up.weight", quantize(x, gguf.GGMLQuantizationType.Q5_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    w.add_tensor("blk.0.ffn_down.weight", x.astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    main(["--gguf", str(path), "--tensor", "blk.0.ffn_up.weight", "--sizes", "1", "--copies", "1", "--rounds", "1"])
+    out = capsys.readouterr().out.splitlines()
+    assert "blk.0.ffn_up.weight Q5_0 [32 x 64]" in out[0] and len(out) == 3
+    for tensor, says in (("blk.0.ffn_down.weight", "F16 [32 x 64]: not a format"), ("nope", "has no 2-D tensor 'nope'")):
+        with pytest.raises(SystemExit):
+            main(["--gguf", str(path), "--tensor", tensor])
+        assert says in capsys.readouterr().err

@@ -18,6 +18,11 @@ of its float epilogue can reach 10 cycles at best where the 512-bit multiply iss
 
     python -m specserve.bench.qgemm [--format q4_0] [--rows 8192] [--cols 2048] [--sizes 1 9 17]
         [--copies 1 16] [--threads 2] [--ghz 3.6]
+    python -m specserve.bench.qgemm --gguf FILE --tensor blk.0.ffn_gate.weight   # a file's own blocks
+
+--format makes a random [rows, cols] weight in q4_0, q4_1 or q8_0; --gguf takes a tensor's blocks
+as a file holds them, so that every type the kernels compute on (K-quants from llama.cpp's
+`llama-quantize`, Q5_0, IQ4_NL...) can be measured.
 """
 
 from __future__ import annotations
@@ -25,11 +30,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from specserve.hardware import machine, native_level
-from specserve.model.native_llama import QUANT_FORMATS, as_blocks
+from specserve.model.native_llama import QUANT_FORMATS, Blocks, as_blocks
 
 
 def product_times(ext, level: int, fmt: int, units: list[torch.Tensor], rows: int, cols: int,
@@ -49,6 +56,28 @@ def product_times(ext, level: int, fmt: int, units: list[torch.Tensor], rows: in
     return {t: statistics.median(v) for t, v in times.items()}
 
 
+def file_blocks(path: str, tensor: str, ext) -> Blocks:
+    """A 2-D tensor's blocks as the GGUF file holds them (ValueError: no such tensor, or one the
+    kernels do not compute on)."""
+    from gguf import GGMLQuantizationType
+
+    from specserve.model.gguf_loader import open_gguf
+
+    reader = open_gguf(Path(path))
+    found = next((t for t in reader.tensors if t.name == tensor), None)
+    if found is None or len(found.shape) != 2:
+        names = [t.name for t in reader.tensors if len(t.shape) == 2]
+        raise ValueError(f"{path} has no 2-D tensor {tensor!r}; it has {', '.join(names[:8])}"
+                         + (", ..." if len(names) > 8 else ""))
+    cols, rows = (int(d) for d in found.shape)
+    blocks = Blocks(GGMLQuantizationType(found.tensor_type), np.array(found.data, dtype=np.uint8).reshape(rows, -1),
+                    rows, cols)
+    if not blocks.on_kernels(ext) or rows % 16:
+        raise ValueError(f"{tensor} is {blocks.format.name} [{rows} x {cols}]: not a format and shape the native "
+                         "kernels compute on")
+    return blocks
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", choices=sorted(set(QUANT_FORMATS) - {"int8", "int4"}), default="q4_0")
@@ -60,6 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--ghz", type=float, default=None, help="the cores' clock, for cycles per unit-row")
+    ap.add_argument("--gguf", default=None, help="take the weight from this GGUF file (--tensor) instead")
+    ap.add_argument("--tensor", default="blk.0.ffn_gate.weight", help="--gguf: the tensor's name in the file")
     args = ap.parse_args(argv)
     if args.rows % 16 or args.cols % 32 or min(args.sizes) < 1 or min(args.copies) < 1:
         ap.error("--rows must be a multiple of 16, --cols of 32, --sizes and --copies at least 1")
@@ -70,12 +101,19 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"the native kernels are not available: {native.unavailable_reason()}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    fmt = QUANT_FORMATS[args.format]
-    dense = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)) * 0.02
-    raw = torch.from_numpy(as_blocks(dense, fmt, True, ext).raw)
+    if args.gguf:
+        try:
+            blocks = file_blocks(args.gguf, args.tensor, ext)
+        except (OSError, ValueError) as e:
+            ap.error(str(e))
+        args.rows, args.cols, name = blocks.rows, blocks.cols, f"{args.tensor} {blocks.format.name}"
+    else:
+        dense = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0)) * 0.02
+        blocks, name = as_blocks(dense, QUANT_FORMATS[args.format], True, ext), args.format
+    fmt, raw = blocks.format, torch.from_numpy(np.ascontiguousarray(blocks.raw))
     level = int(native_level())
     threads = torch.get_num_threads()
-    print(f"# {machine().describe()}, {threads} threads, {args.format} [{args.rows} x {args.cols}], "
+    print(f"# {machine().describe()}, {threads} threads, {name} [{args.rows} x {args.cols}], "
           f"median of {args.rounds} rounds")
     print(f"{'copies':>7}{'MB':>8}{'T':>5}{'ms':>10}{'GMAC/s':>9}{'GB/s':>8}{'ratio':>7}"
           + (f"{'cyc/unit-row':>14}" if args.ghz else ""))
