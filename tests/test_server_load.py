@@ -108,14 +108,16 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     assert figures["requests_per_s"] > 0 and figures["output_tokens_per_s"] > 0
     assert 0 < figures["ttft_p50_ms"] <= figures["ttft_p99_ms"]
     assert 0 < figures["tpot_p50_ms"] <= figures["tpot_p99_ms"]
-    assert "req/s" in capsys.readouterr().out
+    assert figures["client_cpu_ms_per_token"] > 0  # the client's own event loop, per token
+    out = capsys.readouterr().out
+    assert "req/s" in out and "client CPU" in out
     # Whole responses: the same requests and tokens, no per-token timings.
     code = main(["bench-serve", "--url", server.url, "--concurrency", "4", "--num-requests", "8", "--no-stream",
                  "--workload", str(workload), "--max-tokens", "12", "--json", str(out_json)])
     assert code == 0
     [whole] = json.loads(out_json.read_text())["runs"]
     assert whole["num_failed"] == 0 and whole["output_tokens_per_s"] > 0 and whole["latency_p50_s"] > 0
-    assert whole["ttft_p50_ms"] is None and whole["tpot_p50_ms"] is None
+    assert whole["ttft_p50_ms"] is None and whole["tpot_p50_ms"] is None and whole["client_cpu_ms_per_token"] > 0
     assert "whole (not streamed)" in capsys.readouterr().err
 
 
@@ -140,7 +142,7 @@ def test_bench_serve_compares_servers_side_by_side_at_each_level(server, tiny, t
         ("again", 1), ("again", 3), ("one", 1), ("one", 3), ("started", 1), ("started", 3)]
     assert all(r["num_failed"] == 0 and r["num_requests"] == 3 for r in runs)
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split()[:4] == ["server", "conc", "tok/s", "ratio"]
+    assert table[0].split()[:4] == ["server", "conc", "tok/s", "ratio"] and table[0].endswith("client ms/tok")
     assert [line.split()[0] for line in table[1:]] == ["one", "again", "started"] * 2
     assert table[1].split()[3] == "1.00x"
     started_url = next(r["url"] for r in runs if r["server"] == "started")

@@ -88,6 +88,9 @@ class LoadFigures:
     tpot_p99_ms: float | None
     latency_p50_s: float | None
     server: str = ""  # the name the table gives the server
+    # The client's own CPU time (its event-loop thread) per output token: on a small machine the
+    # client shares the server's cores, and a streamed token costs it several times a whole one's.
+    client_cpu_ms_per_token: float | None = None
 
     def line(self) -> str:
         def ms(v: float | None) -> str:
@@ -97,7 +100,8 @@ class LoadFigures:
                 f"requests ({self.num_failed} failed) in "
                 f"{self.wall_s:.1f} s | {self.requests_per_s:.2f} req/s | {self.output_tokens_per_s:.1f} output tok/s | "
                 f"TTFT p50 {ms(self.ttft_p50_ms)} ms, p99 {ms(self.ttft_p99_ms)} ms | "
-                f"TPOT p50 {ms(self.tpot_p50_ms)} ms, p99 {ms(self.tpot_p99_ms)} ms")
+                f"TPOT p50 {ms(self.tpot_p50_ms)} ms, p99 {ms(self.tpot_p99_ms)} ms | "
+                f"client CPU {'-' if self.client_cpu_ms_per_token is None else f'{self.client_cpu_ms_per_token:.3f}'} ms/token")
 
 
 @dataclass(slots=True)
@@ -215,7 +219,9 @@ async def _whole_request(client, url: str, body: dict) -> RequestTiming:
 
 
 async def run_load(url: str, model: str, prompts: list[str], concurrency: int, max_tokens: int,
-                   temperature: float, api_key: str | None, stream: bool = True) -> tuple[list[RequestTiming], float]:
+                   temperature: float, api_key: str | None, stream: bool = True) -> tuple[list[RequestTiming], float, float]:
+    """Each request's timing, the wall time, and the CPU time this thread (the client's event
+    loop) spent on them."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -235,19 +241,22 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, m
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, headers=headers, limits=limits) as client:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         await asyncio.gather(*[worker(client) for _ in range(concurrency)])
-        wall = time.perf_counter() - start
-    return timings, wall
+        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+    return timings, wall, cpu
 
 
-def summarise(url: str, concurrency: int, timings: list[RequestTiming], wall: float, server: str = "") -> LoadFigures:
+def summarise(url: str, concurrency: int, timings: list[RequestTiming], wall: float, server: str = "",
+              client_cpu_s: float | None = None) -> LoadFigures:
     ok = [t for t in timings if t.ok]
     ttft = [t.ttft_s * 1000 for t in ok if t.ttft_s is not None]
     tpot = [t.tpot_s * 1000 for t in ok if t.tpot_s is not None]
+    tokens = sum(t.output_tokens for t in ok)
     return LoadFigures(url, concurrency, len(timings), len(timings) - len(ok), wall, len(ok) / wall,
-                       sum(t.output_tokens for t in ok) / wall, percentile(ttft, 50), percentile(ttft, 99),
-                       percentile(tpot, 50), percentile(tpot, 99), percentile([t.latency_s for t in ok], 50), server)
+                       tokens / wall, percentile(ttft, 50), percentile(ttft, 99),
+                       percentile(tpot, 50), percentile(tpot, 99), percentile([t.latency_s for t in ok], 50), server,
+                       1000 * client_cpu_s / tokens if client_cpu_s is not None and tokens else None)
 
 
 def comparison_table(runs: list[LoadFigures], order: list[str]) -> str:
@@ -259,13 +268,14 @@ def comparison_table(runs: list[LoadFigures], order: list[str]) -> str:
     first = {r.concurrency: r.output_tokens_per_s for r in runs if r.server == order[0]}
     width = max(len("server"), *(len(r.server) for r in runs))
     lines = [f"{'server':<{width}} {'conc':>5} {'tok/s':>9} {'ratio':>7} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-             f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7}"]
+             f"{'TPOT p50':>9} {'TPOT p99':>9} {'failed':>7} {'client ms/tok':>13}"]
     for r in sorted(runs, key=lambda r: (r.concurrency, order.index(r.server))):
         base = first.get(r.concurrency)
         ratio = f"{r.output_tokens_per_s / base:.2f}x" if base else "-"
         lines.append(f"{r.server:<{width}} {r.concurrency:>5} {r.output_tokens_per_s:>9.1f} {ratio:>7} "
                      f"{r.requests_per_s:>7.2f} {ms(r.ttft_p50_ms):>9} {ms(r.ttft_p99_ms):>9} {ms(r.tpot_p50_ms):>9} "
-                     f"{ms(r.tpot_p99_ms):>9} {r.num_failed:>7}")
+                     f"{ms(r.tpot_p99_ms):>9} {r.num_failed:>7} "
+                     f"{'-' if r.client_cpu_ms_per_token is None else f'{r.client_cpu_ms_per_token:.3f}':>13}")
     return "\n".join(lines)
 
 
@@ -305,9 +315,9 @@ def run_bench_serve(args) -> int:
               f"max_tokens {args.max_tokens}, temperature {args.temperature}", file=sys.stderr)
         for i, level in enumerate(levels):
             for s in (servers if i % 2 == 0 else servers[::-1]):  # alternated: drift falls on every server
-                timings, wall = asyncio.run(run_load(s.url, s.model, prompts, level, args.max_tokens, args.temperature,
-                                                     args.api_key, stream=not args.no_stream))
-                figures = summarise(s.url, level, timings, wall, s.name)
+                timings, wall, cpu = asyncio.run(run_load(s.url, s.model, prompts, level, args.max_tokens,
+                                                          args.temperature, args.api_key, stream=not args.no_stream))
+                figures = summarise(s.url, level, timings, wall, s.name, cpu)
                 runs.append(figures)
                 print(figures.line(), file=sys.stderr if len(servers) > 1 or len(levels) > 1 else sys.stdout)
                 failures += [f"{s.name}: {t.error}" for t in timings if not t.ok][:1]
