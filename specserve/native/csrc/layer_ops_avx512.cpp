@@ -19,7 +19,7 @@ constexpr int kRowTile = 4;     // 4 rows x 4 chunks = 16 accumulators, + 4 valu
 // Attention tiles of fewer rows go row by row (layer_ops_simd.inc): up to 15 rows (a 5-token
 // verification of 3 query heads per kv head) the rows read the pool's halves faster than a tile
 // widens each key block for them (Zen 4, 1000-2000 tokens of context: 3- and 5-token passes
-// 0.85-0.92x the time with 8 here); at 27 rows the tile is faster again.
+// 0.83-0.92x the time with 8 here, in the ratio to one token); at 27 rows the tile is faster again.
 constexpr int64_t kSmallTile = 16;
 constexpr int kChunkGroup = 4;
 
