@@ -59,9 +59,7 @@ def product_times(ext, level: int, fmt: int, units: list[torch.Tensor], rows: in
 def file_blocks(path: str, tensor: str, ext) -> Blocks:
     """A 2-D tensor's blocks as the GGUF file holds them (ValueError: no such tensor, or one the
     kernels do not compute on)."""
-    from gguf import GGMLQuantizationType
-
-    from specserve.model.gguf_loader import open_gguf
+    from specserve.model.gguf_loader import open_gguf, tensor_blocks
 
     reader = open_gguf(Path(path))
     found = next((t for t in reader.tensors if t.name == tensor), None)
@@ -69,12 +67,10 @@ def file_blocks(path: str, tensor: str, ext) -> Blocks:
         names = [t.name for t in reader.tensors if len(t.shape) == 2]
         raise ValueError(f"{path} has no 2-D tensor {tensor!r}; it has {', '.join(names[:8])}"
                          + (", ..." if len(names) > 8 else ""))
-    cols, rows = (int(d) for d in found.shape)
-    blocks = Blocks(GGMLQuantizationType(found.tensor_type), np.array(found.data, dtype=np.uint8).reshape(rows, -1),
-                    rows, cols)
-    if not blocks.on_kernels(ext) or rows % 16:
-        raise ValueError(f"{tensor} is {blocks.format.name} [{rows} x {cols}]: not a format and shape the native "
-                         "kernels compute on")
+    blocks = tensor_blocks(found)
+    if not blocks.on_kernels(ext) or blocks.rows % 16:
+        raise ValueError(f"{tensor} is {blocks.format.name} [{blocks.rows} x {blocks.cols}]: not a format and shape "
+                         "the native kernels compute on")
     return blocks
 
 

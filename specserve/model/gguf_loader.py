@@ -209,6 +209,14 @@ def check_gguf_tensors(reader: GGUFReader, path: Path, cfg: ModelConfig) -> None
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
+def tensor_blocks(tensor, copy: bool = True) -> Blocks:
+    """A quantized 2-D GGUF tensor's blocks as the file holds them, rows in PyTorch's [out, in]
+    order (GGUF lists dims reversed): copied out of the file's memory map, or a view of it."""
+    cols, rows = (int(d) for d in tensor.shape)
+    raw = (np.array if copy else np.asarray)(tensor.data, dtype=np.uint8).reshape(rows, -1)
+    return Blocks(GGMLQuantizationType(tensor.tensor_type), raw, rows, cols)
+
+
 def _dequantized(tensor) -> np.ndarray:
     """A GGUF tensor as float32 numpy in PyTorch's [out, in] order (GGUF lists dims reversed).
     A quantized matrix goes through Blocks, which dequantizes on the native kernels where it can
@@ -217,8 +225,7 @@ def _dequantized(tensor) -> np.ndarray:
     shape = tuple(reversed([int(d) for d in tensor.shape]))
     try:
         if len(shape) == 2 and qtype not in _FLOAT_TYPES and tensor.data.nbytes % shape[0] == 0:
-            raw = np.asarray(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
-            return Blocks(qtype, raw, *shape).dequantized().numpy()
+            return tensor_blocks(tensor, copy=False).dequantized().numpy()
         data = dequantize(tensor.data, qtype)
     except NotImplementedError:
         raise ModelLoadError(
@@ -282,7 +289,7 @@ def gguf_weights(reader: GGUFReader, path: Path, cfg: ModelConfig) -> dict[str, 
         if qtype in _FLOAT_TYPES or len(shape) == 1:
             w = torch.from_numpy(_dequantized(t).copy())
         else:
-            w = Blocks(qtype, np.array(t.data, dtype=np.uint8).reshape(shape[0], -1), shape[0], shape[1])
+            w = tensor_blocks(t)
         out.update(split_fused(expected, hf, w))
     return out
 
