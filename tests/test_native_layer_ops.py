@@ -407,6 +407,47 @@ def test_tree_query_equals_the_chain_query_of_its_accepted_path(window):
         assert_same_bits(in_tree, as_chain, f"level {level}")
 
 
+def binary_tree(nodes: int) -> DraftTree:
+    """Two children a node, breadth first: node i's parent is (i - 2) // 2."""
+    return DraftTree(list(range(100, 100 + nodes)), [-1 if i < 2 else (i - 2) // 2 for i in range(nodes)])
+
+
+@pytest.mark.parametrize("start", [5, 31, 32, 33, 300])
+def test_verification_trees_give_the_generic_bits_alone_and_beside_others(start):
+    """Trees of 1, 6 and 25 nodes (6 to 78 rows a kv head: a row-by-row tile, a lane tile, two
+    tiles cut between tokens) after contexts below, at and past key-block edges, where the keys
+    every token sees are taken once for all of them: every level gives the generic level's
+    bits, on one thread and on two, alone and beside a prompt chunk and a decode (which keep
+    their own bits as chains), soft-capped too; within float32 rounding of the float64 softmax."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    pool = Pool.random(160, block_size, kv_heads, head_dim, seed=start)
+    mine, chunk, decode = (scattered_blocks(160, 160, seed=start)[i::3] for i in range(3))
+    g = torch.Generator().manual_seed(start)
+    before = torch.get_num_threads()
+    try:
+        for nodes in (1, 6, 25):
+            tree = Seq.tree(mine, start, binary_tree(nodes))
+            partners = [Seq.chain(chunk, 40, 24), Seq.chain(decode, 700, 1)]
+            q = torch.randn(nodes + 1 + 25, heads, head_dim, generator=g)
+            ref = reference(q[:nodes + 1], pool, [tree], 0.125)
+            for softcap in (0.0, 2.0):
+                torch.set_num_threads(1)
+                want = attend(0, q[:nodes + 1], pool, [tree], softcap=softcap)
+                want_partners = attend(0, q[nodes + 1:], pool, partners, softcap=softcap)
+                if not softcap:
+                    assert (want.double() - ref).abs().max().item() <= 2e-6
+                for level in LEVELS:
+                    for threads in (1, 2):
+                        torch.set_num_threads(threads)
+                        what = f"level {level}, {threads} threads, {nodes} nodes, softcap {softcap}"
+                        assert_same_bits(attend(level, q[:nodes + 1], pool, [tree], softcap=softcap), want, what)
+                        both = attend(level, q, pool, [tree] + partners, softcap=softcap)
+                        assert_same_bits(both[:nodes + 1], want, what + ", beside others")
+                        assert_same_bits(both[nodes + 1:], want_partners, what + ", the others")
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("window", [0, 40])
 def test_attention_bits_do_not_depend_on_the_thread_count(window):
     """Decode and verification calls have few tasks (one per kv head), which more than one thread

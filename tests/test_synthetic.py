@@ -82,6 +82,23 @@ def test_forward_bench_takes_a_requantization_as_a_path(tmp_path):
     assert not getattr(_load(str(path), "float32", "cpu", 64).model, "native", False)
 
 
+def test_forward_bench_times_trees_of_the_asked_size(tmp_path):
+    """bench.forward --tree: T tokens as a root and T - 1 nodes, two children a node (the shape
+    tree drafters verify), timed through the runner like chains."""
+    from specserve.bench.forward import _load, binary_tree_mask, step_times
+    from specserve.model.runner import ModelRunner
+
+    assert binary_tree_mask(1) is None
+    mask = binary_tree_mask(7)  # root, 2 children, 4 grandchildren
+    assert mask.shape == (7, 7) and (mask.sum(-1) - 1).tolist() == [0, 1, 1, 2, 2, 2, 2]
+    assert mask[3, 1] and not mask[3, 2] and mask[6, 2] and not mask[6, 1]
+    path = write_synthetic_gguf(Shape("llama", 64, 2, 4, 2, 128, 400, True, 10000.0), tmp_path / "m.gguf")
+    loaded = _load(str(path), "q8_0", "cpu", 64)
+    runner = ModelRunner.dense(loaded.model, num_slots=1, max_len=48)
+    times = step_times(runner, 40, [1, 7], rounds=2, vocab=400, tree=True)
+    assert {t: len(v) for t, v in times.items()} == {1: 2, 7: 2} and min(min(v) for v in times.values()) > 0
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_1"])
 def test_qgemm_bench_prints_one_row_per_copies_and_size(capsys, fmt):
     """bench.qgemm times the product alone, hot in cache (one copy) and streamed (several):

@@ -4,7 +4,8 @@ T = 1 is plain decoding; T = k + 1 is the verification of k draft tokens, whose 
 T = 1 decides whether speculation pays. Each step computes T tokens at positions
 [context, context + T) after a prefill of `context` tokens, with logits at every position, as the
 engine's verification step does (--prompt: at the last position only, as a prompt chunk has
-them; `--prompt --sizes 512` times a prompt chunk after each context). Sizes are measured
+them; `--prompt --sizes 512` times a prompt chunk after each context; --tree: the T tokens as a
+draft tree's root and T - 1 nodes, two children a node, as tree drafters verify them). Sizes are measured
 interleaved, round after round, and the median is reported, because the machines this runs on are shared and noisy.
 
     python -m specserve.bench.forward [--model default] [--contexts 100 1000]
@@ -26,22 +27,33 @@ from pathlib import Path
 import torch
 
 from specserve.bench.llama_bench import find_llama_bench, llama_bench_ms, read_bandwidth_gbs, weight_bytes
+from specserve.drafts.tree import DraftTree
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.hardware import Isa, machine, native_level
 from specserve.model.loader import load_model
 from specserve.model.native_llama import QUANT_FORMATS
 
 
+def binary_tree_mask(tokens: int) -> torch.Tensor | None:
+    """The attention mask of a root and tokens - 1 nodes, two children a node, breadth first
+    (None for one token: no tree)."""
+    if tokens < 2:
+        return None
+    nodes = tokens - 1
+    return DraftTree([0] * nodes, [-1 if i < 2 else (i - 2) // 2 for i in range(nodes)]).attention_mask()
+
+
 def step_times(runner: ModelRunner, context: int, sizes: list[int], rounds: int, vocab: int,
-               all_logits: bool = True) -> dict[int, list[float]]:
-    """Prefill `context` tokens, then time steps of each size in `sizes`, interleaved; -> ms per step."""
+               all_logits: bool = True, tree: bool = False) -> dict[int, list[float]]:
+    """Prefill `context` tokens, then time steps of each size in `sizes`, interleaved (as chains,
+    or with `tree` as binary draft trees); -> ms per step."""
     ids = torch.randint(0, vocab, (context + max(sizes),), generator=torch.Generator().manual_seed(0)).tolist()
     runner.execute(ForwardBatch(locations=[0], start_positions=[0], token_ids=[ids[:context]], all_logits=False))
     times: dict[int, list[float]] = {t: [] for t in sizes}
     for r in range(rounds + 1):
         for t in sizes:
             batch = ForwardBatch(locations=[0], start_positions=[context], token_ids=[ids[context:context + t]],
-                                 all_logits=all_logits)
+                                 all_logits=all_logits, tree_masks=[binary_tree_mask(t)] if tree else None)
             start = time.perf_counter()
             runner.execute(batch)
             runner.synchronize()
@@ -66,6 +78,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--paths", nargs="+", default=["gguf", "int8", "float32", "bfloat16"])
     ap.add_argument("--prompt", action="store_true", help="logits at each step's last position only (a prompt chunk)")
+    ap.add_argument("--tree", action="store_true",
+                    help="each step's T tokens as a draft tree (a root and T - 1 nodes, two children a node), not a chain")
     ap.add_argument("--levels", nargs="+", default=None,
                     help="CPU levels for the native paths (default: this machine's)")
     ap.add_argument("--peer", choices=["llama.cpp"], default=None,
@@ -84,7 +98,7 @@ def main() -> None:
     print(f"# measured read bandwidth {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads, a 1 GiB sum)")
     print(f"# {m.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
           f"model {args.model}, median of {args.rounds} rounds; T tokens per pass with logits at "
-          f"{'the last' if args.prompt else 'each'}")
+          f"{'the last' if args.prompt else 'each'}{', as binary draft trees' if args.tree else ''}")
     head = f"{'path':<34}{'context':>8}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes)
     print(head + "".join(f"{f'T={t}/T=1':>9}" for t in args.sizes[1:]))
     for path in args.paths:
@@ -98,7 +112,8 @@ def main() -> None:
                 label = loaded.kernels.split(",")[0]
             for context in args.contexts:
                 runner = ModelRunner.dense(loaded.model, num_slots=1, max_len=context + max(args.sizes))
-                times = step_times(runner, context, args.sizes, args.rounds, loaded.config.vocab_size, not args.prompt)
+                times = step_times(runner, context, args.sizes, args.rounds, loaded.config.vocab_size, not args.prompt,
+                                   args.tree)
                 med = {t: statistics.median(v) for t, v in times.items()}
                 one = med[args.sizes[0]]
                 gbs = weight_bytes(loaded.model) / (one / 1e3) / 1e9

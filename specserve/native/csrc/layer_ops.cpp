@@ -314,7 +314,9 @@ void paged_attention(int level, const float* q, int64_t ldq, const uint16_t* k_p
         for (int64_t j = 0; j < t.num_q; ++j) lows[j] = std::max<int64_t>(0, window_lo(batch, i0 + j) - k0);
         t.lo = lows.data();
       }
-      if (batch.tree_row) {
+      // A sequence without a tree in a call with trees is a chain (its tokens' tree_row are -1):
+      // its rows take the chain tiles, which read each key once for all of them.
+      if (batch.tree_row && batch.tree_size[s] > 0) {
         t.tree_row = batch.tree_row + i0;
         t.tree_mask = batch.tree_mask;
         t.tree_start = batch.tree_start[s] - k0;  // may fall below 0: those nodes' slots are hidden

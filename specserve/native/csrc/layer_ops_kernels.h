@@ -175,8 +175,13 @@ constexpr int64_t kTileRows = 64;
 // Scratch a task needs (floats): the SIMD levels' tile (q transposed [head_dim][kTileRows],
 // scores [kKeyBlock][kTileRows], widened K and V [kKeyBlock][head_dim], o [kTileRows][head_dim],
 // and per row m, l, alpha and the visible range), more than the generic level's.
-inline int64_t attention_scratch_floats(const AttentionTask& t) {
+inline int64_t attention_tile_floats(const AttentionTask& t) {
   return kTileRows * (2 * t.head_dim + kKeyBlock + 5) + 2 * kKeyBlock * t.head_dim + t.head_dim;
+}
+// ... and after it, a tile's rows' online-softmax state (m, l, o) kept between a tree's shared
+// prefix and its tokens' own keys.
+inline int64_t attention_scratch_floats(const AttentionTask& t) {
+  return attention_tile_floats(t) + kTileRows * (t.head_dim + 2);
 }
 
 // Walks a task's keys first_key, first_key + 1, ... (sequence slots from t.first_slot +
