@@ -122,6 +122,15 @@ inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float
   }
 }
 
+// A row-by-row tile's scores for `rows` <= kScoreRows rows and 16 keys (layer_ops_simd.inc):
+// AVX2's 16 registers hold one row's accumulators.
+constexpr int kScoreRows = 1;
+template <int D>
+inline void scores_rows(const float* const* q, int64_t rows, const uint16_t* const* kp, int64_t d, float scale,
+                        float* const* dst) {
+  for (int64_t r = 0; r < rows; ++r) scores16(q[r], kp, D > 0 ? D : d, scale, dst[r]);
+}
+
 #include "layer_ops_simd.inc"
 
 }  // namespace

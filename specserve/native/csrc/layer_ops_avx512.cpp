@@ -61,34 +61,60 @@ inline V vexp_finish(V x, V p, V k) {
   return _mm512_mask_mov_ps(y0, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
-// dst[j] = dot16(q, kp[j]) * scale for 16 keys: a register of 16 lanes per key, then the lane
-// reductions of all 16 keys at once, each step pairing vectors so that a lane l meets lane
-// l + w of the same key. Accumulator j holds key 4 (j % 4) + j / 4, which the four steps
-// leave in lane j.
-inline void scores16(const float* q, const uint16_t* const* kp, int64_t d, float scale, float* dst) {
-  const uint16_t* k[16];
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) k[j] = kp[4 * (j % 4) + j / 4];
-  V acc[16];
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j)  // key by key: one key pointer live at a time, q in registers
-    for (int64_t c = 0; c < d; c += 16) acc[j] = vfma(vload(q + c), vload_half(k[j] + c), acc[j]);
-  V a8[8], a4[4], a2[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)  // lanes 0-7 + 8-15 of keys 2i, 2i + 1
-    a8[i] = vadd(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
-                 _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+// dst[r][j] = dot16(q[r], kp[j]) * scale for R rows and 16 keys, each key chunk widened once for
+// the R rows. Per row, a register of 16 lanes per key, then the lane reductions of all 16 keys
+// at once, each step pairing vectors so that a lane l meets lane l + w of the same key:
+// accumulator j holds key 4 (j % 4) + j / 4, which the four steps leave in lane j. The keys go
+// 4 at a time (accumulators 4g .. 4g + 3: keys g, 4 + g, 8 + g, 12 + g), taken two steps down
+// to one register each (R x 4 accumulators and R x 4 partial registers fit 32 for R = 3).
+template <int R, int D>
+inline void scores16_rows(const float* const* q, const uint16_t* const* kp, int64_t d, float scale,
+                          float* const* dst) {
+  const int64_t dd = D > 0 ? D : d;
+  V part[R][4];
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)  // lanes 0-3 + 4-7 of keys 4i .. 4i + 3
-    a4[i] = vadd(_mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0x88),
-                 _mm512_shuffle_f32x4(a8[2 * i], a8[2 * i + 1], 0xDD));
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)  // lanes 0-1 + 2-3
-    a2[i] = vadd(_mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0x44), _mm512_shuffle_ps(a4[2 * i], a4[2 * i + 1], 0xEE));
-  const V s = vadd(_mm512_shuffle_ps(a2[0], a2[1], 0x88), _mm512_shuffle_ps(a2[0], a2[1], 0xDD));  // lane 0 + 1
-  vstore(dst, vmul(s, vset1(scale)));
+  for (int g = 0; g < 4; ++g) {
+    const uint16_t* k[4];
+    V acc[R][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      k[i] = kp[4 * i + g];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][i] = _mm512_setzero_ps();
+    }
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < dd; c += 16) {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) {
+        const V kv = vload_half(k[i] + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) acc[r][i] = vfma(vload(q[r] + c), kv, acc[r][i]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {  // lanes 0-7 + 8-15, then 0-3 + 4-7
+      const V a0 = vadd(_mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0x44), _mm512_shuffle_f32x4(acc[r][0], acc[r][1], 0xEE));
+      const V a1 = vadd(_mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0x44), _mm512_shuffle_f32x4(acc[r][2], acc[r][3], 0xEE));
+      part[r][g] = vadd(_mm512_shuffle_f32x4(a0, a1, 0x88), _mm512_shuffle_f32x4(a0, a1, 0xDD));
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {  // lanes 0-1 + 2-3, then lane 0 + 1
+    const V b0 = vadd(_mm512_shuffle_ps(part[r][0], part[r][1], 0x44), _mm512_shuffle_ps(part[r][0], part[r][1], 0xEE));
+    const V b1 = vadd(_mm512_shuffle_ps(part[r][2], part[r][3], 0x44), _mm512_shuffle_ps(part[r][2], part[r][3], 0xEE));
+    const V sum = vadd(_mm512_shuffle_ps(b0, b1, 0x88), _mm512_shuffle_ps(b0, b1, 0xDD));
+    vstore(dst[r], vmul(sum, vset1(scale)));
+  }
+}
+
+// A row-by-row tile's scores for `rows` <= kScoreRows rows and 16 keys (layer_ops_simd.inc).
+constexpr int kScoreRows = 3;
+template <int D>
+inline void scores_rows(const float* const* q, int64_t rows, const uint16_t* const* kp, int64_t d, float scale,
+                        float* const* dst) {
+  if (rows == 3) return scores16_rows<3, D>(q, kp, d, scale, dst);
+  if (rows == 2) return scores16_rows<2, D>(q, kp, d, scale, dst);
+  scores16_rows<1, D>(q, kp, d, scale, dst);
 }
 
 #include "layer_ops_simd.inc"
