@@ -392,6 +392,29 @@ def test_a_probes_drafting_time_is_not_what_drafting_costs(tiny, monkeypatch):
     assert engine.planner.probe_s is not None and engine.planner.proposer_s[1] is None
 
 
+def test_a_drafting_price_measured_on_a_busy_machine_comes_down_with_the_probes():
+    """Depth 1 timed while something else held the cores (40 passes): the planner stops
+    drafting, so that depth is never timed again by a drafting step. A probe drafts it too and
+    catches up more: its time bounds the price from above, and drafting comes back. A probe
+    dearer than the price leaves it as it is."""
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
+    learned(p, "a", 4, 4)
+    p.observe_step(PassShape(2), 5e-3, 0.2, 1)
+    assert p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths == [0]
+    p.observe_step(PassShape(2), 5e-3, 0.5e-3, 1, probe=True)
+    assert p.drafting_s(1) == pytest.approx(0.5e-3)
+    assert p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths[0] > 0
+    p.observe_step(PassShape(2), 5e-3, 3e-3, 1, probe=True)
+    assert p.drafting_s(1) == pytest.approx(0.5e-3)
+    # Deep steps timed under load, depth 1 never: its price is theirs until a probe bounds it.
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
+    learned(p, "a", 4, 4)
+    p.observe_step(PassShape(5), 5e-3, 0.2, 4)
+    assert p.drafting_s(1) == pytest.approx(0.2) and p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths == [0]
+    p.observe_step(PassShape(2), 5e-3, 0.5e-3, 1, probe=True)
+    assert p.drafting_s(1) == pytest.approx(0.5e-3) and p.plan(PassShape(1), [PlanRow("a", 10, 4)]).depths[0] > 0
+
+
 def test_probes_cost_at_most_their_budget_of_the_time():
     """A probe whose drafting costs about four passes (a draft model catching up) comes at most
     once in 4 / PROBE_BUDGET steps, whatever its wait; a cheap one every PROBE_EVERY steps."""
