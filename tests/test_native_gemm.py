@@ -186,6 +186,21 @@ def test_quantize_weight_equals_gguf_package(fmt):
 # ---- products ------------------------------------------------------------------------------------
 
 
+def test_activation_blocks_are_the_same_bytes_at_every_level():
+    """A row's blocks are quantized 16 at a time where it has 16 (their maxima as one vector) and
+    one by one after: rows of 1 to 49 blocks, zero blocks among others, tiny and large values,
+    give the generic level's bytes (q, d, sd, the half sums) at every level."""
+    g = torch.Generator().manual_seed(7)
+    for blocks in (1, 15, 16, 17, 33, 48, 49):
+        x = torch.randn(5, 32 * blocks, generator=g) * torch.exp2(torch.randint(-20, 20, (5, 1), generator=g).float())
+        x[1, 32 * (blocks // 2):32 * (blocks // 2 + 1)] = 0.0  # a zero block inside a batch of 16
+        x[2] = 0.0
+        x[3, ::7] = 1e-40  # subnormals
+        want = ext.quantize_act(LEVELS[0], x)
+        for level in LEVELS[1:]:
+            assert torch.equal(ext.quantize_act(level, x), want), f"level {level}, {blocks} blocks"
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_qgemm_equals_reference_arithmetic_bitwise(fmt):
     raw, units = packed(fmt)
