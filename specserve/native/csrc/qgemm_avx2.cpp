@@ -96,6 +96,9 @@ void quantize(const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act) 
   const int64_t nb = k / kBlock;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
+  // Saturating packs interleave 128-bit halves: q0[0..3] q1[0..3] q2[0..3] q3[0..3] | q0[4..7] ...;
+  // this dword order puts the 32 bytes back in element order (values within +-127 pack as they are).
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t t = 0; t < n; ++t) {
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = x + t * ldx + b * kBlock;
@@ -109,19 +112,17 @@ void quantize(const float* x, int64_t n, int64_t k, int64_t ldx, ActBlock* act) 
       const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
       const __m256 vid = _mm256_set1_ps(id);
       ActBlock& out = act[t * nb + b];
-      int s[2] = {0, 0};
-      for (int i = 0; i < 4; ++i) {
-        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(xs[i], vid));
-        q = _mm256_max_epi32(_mm256_min_epi32(q, lim), nlim);
-        s[i / 2] += hsum_epi32(q);
-        alignas(32) int32_t lanes[8];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), q);
-        for (int e = 0; e < 8; ++e) out.q[8 * i + e] = static_cast<int8_t>(lanes[e]);
-      }
+      __m256i q[4];
+      for (int i = 0; i < 4; ++i)
+        q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(xs[i], vid)), lim), nlim);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q), bytes);
+      const int s0 = hsum_epi32(_mm256_add_epi32(q[0], q[1])), s1 = hsum_epi32(_mm256_add_epi32(q[2], q[3]));
       out.d = amax / 127.0f;
-      out.s16[0] = static_cast<int16_t>(s[0]);
-      out.s16[1] = static_cast<int16_t>(s[1]);
-      out.sd = out.d * static_cast<float>(s[0] + s[1]);
+      out.s16[0] = static_cast<int16_t>(s0);
+      out.s16[1] = static_cast<int16_t>(s1);
+      out.sd = out.d * static_cast<float>(s0 + s1);
       out.pad = 0;
     }
   }
