@@ -20,7 +20,7 @@ from specserve.hardware import QUANTIZATIONS
 AUTO = "auto"  # num_speculative_tokens: the engine chooses k each step by its cost model, up to a cap
 SPECULATIVE_METHODS = ("none", *SPEC_METHODS)
 LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
-TREE_KEYS = ("num_draft_nodes", "draft_topk")
+TREE_KEYS = ("num_draft_nodes", "draft_topk", "enable_suffix_decoding", "suffix_threshold")
 SUFFIX_KEYS = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
 SELF_SPEC_KEYS = ("skip_layers",)
@@ -110,6 +110,12 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
                         "--num-speculative-tokens); default: eagle3 and eagle 8, medusa the tree it was trained with")
     p.add_argument("--draft-topk", type=int, default=None,
                    help="eagle3, eagle: children per expanded node (default 2)")
+    p.add_argument("--enable-suffix-decoding", action="store_true", default=None,
+                   help="eagle3, eagle: suffix decoding beside the drafter (suffix's trees at their defaults): each "
+                        "step a request takes the suffix draft or the drafter's, whichever has kept more lately")
+    p.add_argument("--suffix-threshold", type=float, default=None,
+                   help="eagle3, eagle with --enable-suffix-decoding: take the suffix draft whenever it expects to "
+                        "keep this many tokens (default: chosen by what each source's drafts kept)")
 
 
 def add_lookahead_args(p: argparse.ArgumentParser) -> None:

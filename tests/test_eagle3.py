@@ -18,6 +18,8 @@ from specserve.spec.eagle3 import Eagle3Proposer
 from specserve.spec.heads.eagle3 import Eagle3Head
 from specserve.spec.heads.eagle3_config import Eagle3Config
 from specserve.spec.heads.eagle3_loader import DRAFTER_FORMATS, Eagle3Drafter
+from specserve.spec.hybrid import SuffixFirst
+from specserve.spec.suffix import SuffixProposer
 from tests.helpers import ragged_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
@@ -138,6 +140,47 @@ def test_batched_paged_tree_growth_equals_a_dense_recomputation(tiny, first):
             prop.observe_hidden(rid, n - 1, states[rid][n - 1:n + 2])
 
 
+def test_suffix_decoding_beside_the_drafter_takes_the_confident_suffix_drafts(tiny):
+    """enable_suffix_decoding: a request whose text repeats takes suffix decoding's draft (the
+    very tree a suffix proposer alone drafts), one whose text never repeats the drafter's (the
+    tree the drafter alone grows); the drafter skipped meanwhile catches up later on every
+    position it missed (its tree equals a dense recomputation's)."""
+    target = tiny["loaded"]
+    head = random_head(target, vocab=list(range(3, 60)))
+    drafter = Eagle3Drafter(head.config, head, target.model.embed_tokens, None)
+    engine = EngineConfig(max_num_seqs=2, max_model_len=256, num_kv_blocks=64, block_size=4)
+    hybrid = Eagle3Proposer(drafter, target, engine, max_nodes=7, topk=3, suffix=SuffixFirst(SuffixProposer(), 1.0))
+    alone = Eagle3Proposer(drafter, target, engine, max_nodes=7, topk=3)
+    h3 = 3 * target.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    seqs = {"rep": [5, 9, 14, 22] * 6, "new": torch.randperm(50, generator=gen)[:20].add(3).tolist()}
+    states = {r: torch.randn(len(s) + 6, h3, generator=gen) for r, s in seqs.items()}
+    for prop in (hybrid, alone):
+        for rid, s in seqs.items():
+            prop.add_request(rid, s)
+            prop.observe_hidden(rid, 0, states[rid][:len(s) - 1])
+    batch = [SpecRequest(rid, s, 4, GREEDY, None, max_nodes=7) for rid, s in seqs.items()]
+    got = hybrid.propose(batch).trees
+    want_suffix, expected = SuffixProposer().draft(batch[0])
+    assert expected >= 1.0 and got[0].num_nodes > 0
+    assert (got[0].token_ids, got[0].parents) == (want_suffix.token_ids, want_suffix.parents)
+    assert tree_paths(got[1]) == tree_paths(alone.propose(batch).trees[1]) and got[1].num_nodes == 7
+    assert (hybrid.times.suffix_drafts, hybrid.times.drafter_drafts) == (1, 1)
+    assert hybrid.times.as_dict()["suffix_share"] == 0.5
+    # Three tokens committed to each; then the repeating request too drafts with the drafter,
+    # which has not seen it yet: its catch-up covers the whole text.
+    for rid, s in seqs.items():
+        n = len(s)
+        seqs[rid] = s + [5, 9, 14] if rid == "rep" else s + [60, 61, 62]
+        hybrid.observe_hidden(rid, n - 1, states[rid][n - 1:n + 2])
+    hybrid.suffix.threshold = float("inf")
+    batch = [SpecRequest(rid, s, 4, GREEDY, None, max_nodes=7) for rid, s in seqs.items()]
+    got = hybrid.propose(batch).trees
+    for (rid, s), tree in zip(seqs.items(), got):
+        want = reference_tree(head, target.model.embed_tokens, states[rid][:len(s) - 1], s, 0, 4, 3, 7)
+        assert tree_paths(tree) == want, rid
+
+
 # ---- end to end --------------------------------------------------------------------------------
 
 def save_random_drafter(folder, target, **kw):
@@ -185,6 +228,21 @@ def test_greedy_eagle3_equals_plain_on_the_torch_path(tiny, tmp_path, monkeypatc
         assert max(fed) > 3  # the prompts are caught up on whole
     else:
         assert max(fed) == 3 and any(start > 0 for _, start, _ in begun)
+
+
+def test_greedy_eagle3_with_suffix_decoding_equals_plain(tiny, tmp_path):
+    """Suffix decoding beside a random drafter, batched: both draft (the prompts repeat a phrase,
+    the drafter's guesses are random) and every output is plain's."""
+    folder = save_random_drafter(tmp_path / "d", tiny["loaded"], aux=(0, 1, 1), vocab=list(range(2, 50)))
+    prompts = ragged_prompts(6, seed=4, lo=4)
+    plain, _ = outputs(LLM(loaded=tiny["loaded"], max_num_seqs=1), prompts)
+    llm = LLM(loaded=tiny["loaded"], max_num_seqs=3, speculative_config={
+        "method": "eagle3", "model": folder, "num_speculative_tokens": 3, "num_draft_nodes": 6,
+        "enable_suffix_decoding": True, "suffix_threshold": 1.5})
+    got, stats = outputs(llm, prompts)
+    times = llm.engine.proposer.times
+    assert got == plain and stats.num_accepted > 0
+    assert times.suffix_drafts > 0 and times.drafter_drafts > 0
 
 
 @pytest.mark.skipif(native.load() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}")

@@ -19,7 +19,7 @@ NON_DEFAULT = {"prompt_lookup_max": 6, "prompt_lookup_min": 2, "num_branches": 3
                "suffix_cache_tokens": 0, "suffix_spec_factor": 2.0, "suffix_min_token_prob": 0.2,
                "num_draft_nodes": 10, "draft_topk": 3, "lookahead_window": 2, "lookahead_ngram": 4,
                "lookahead_candidates": 3, "skip_layers": (5, 9), "catch_up_window": 8,
-               "quantization": "q8_0"}
+               "quantization": "q8_0", "enable_suffix_decoding": True, "suffix_threshold": 2.0}
 PATHS = {"draft_model": "draft", "eagle": "eagle_dir", "eagle3": "eagle3_dir", "medusa": "medusa_dir"}
 
 
@@ -104,3 +104,11 @@ def test_a_method_registered_outside_specserve_runs_end_to_end(tiny, toy_method)
 def test_an_unregistered_method_is_refused_naming_the_methods():
     with pytest.raises(InvalidParameterError, match="method.*toy.*must be one of ngram, suffix"):
         SpeculativeConfig.from_dict({"method": "toy"})
+
+
+@pytest.mark.parametrize("key, value, allowed", [("enable_suffix_decoding", 1, "true or false"),
+                                                 ("suffix_threshold", -0.5, r"\[0, 64"),
+                                                 ("suffix_threshold", "high", r"\[0, 64")])
+def test_suffix_decoding_beside_a_drafter_refuses_bad_values_naming_them(key, value, allowed):
+    with pytest.raises(InvalidParameterError, match=rf"{key}.*{allowed}"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "model": "d", key: value})

@@ -24,13 +24,13 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from specserve.config import EngineConfig
-from specserve.drafts import DraftTreeProposal, SpecRequest
+from specserve.drafts import DraftTreeProposal, SpecRequest, VerifyFeedback
 from specserve.drafts.tree import DraftTree
 from specserve.errors import InvalidParameterError
 from specserve.kv.budget import num_kv_blocks
@@ -41,6 +41,8 @@ from specserve.spec.heads.eagle_kv import DraftPass, EagleKV, FlatDraftAttention
 from specserve.spec.medusa import check_num_draft_nodes
 from specserve.spec.proposer import Proposer
 from specserve.spec.registry import MethodSpec
+from specserve.spec.hybrid import SuffixFirst
+from specserve.spec.suffix import SuffixProposer
 
 # Ties between a candidate and its parent (a child of probability 1 after rounding) go to the
 # parent, so that a node is never chosen without its parent.
@@ -79,13 +81,18 @@ class DraftingTimes:
     depth_s: float = 0.0
     depth_passes: int = 0
     select_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    # With suffix decoding beside the drafter: the drafts each of them made.
+    suffix_drafts: int = 0
+    drafter_drafts: int = 0
 
     def as_dict(self) -> dict:
         per = (lambda t, n: round(1e3 * t / n, 4) if n else None)
-        return {"catch_up_ms": per(self.catch_up_s, self.catch_up_passes),
-                "depth_ms": per(self.depth_s, self.depth_passes), "select_ms_total": round(1e3 * self.select_s, 3),
-                "catch_up_passes": self.catch_up_passes, "depth_passes": self.depth_passes}
+        out = {"catch_up_ms": per(self.catch_up_s, self.catch_up_passes),
+               "depth_ms": per(self.depth_s, self.depth_passes), "select_ms_total": round(1e3 * self.select_s, 3),
+               "catch_up_passes": self.catch_up_passes, "depth_passes": self.depth_passes}
+        if self.suffix_drafts or self.drafter_drafts:
+            out["suffix_share"] = round(self.suffix_drafts / (self.suffix_drafts + self.drafter_drafts), 4)
+        return out
 
 
 class FeatureTreeProposer(Proposer):
@@ -99,8 +106,11 @@ class FeatureTreeProposer(Proposer):
     needs_hidden_states = True
 
     def __init__(self, drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int,
-                 catch_up_window: int | None = None):
+                 catch_up_window: int | None = None, suffix: SuffixFirst | None = None):
         self.drafter = drafter
+        # Suffix decoding beside the drafter (spec/hybrid.py): the requests that take a suffix
+        # draft skip the drafter this step (its catch-up waits for their next turn with it).
+        self.suffix = suffix
         self.catch_up_window = catch_up_window  # EagleKV.begin's window (EagleOptions)
         self.max_nodes = max_nodes
         self.topk = min(topk, drafter.config.draft_vocab_size)
@@ -119,13 +129,24 @@ class FeatureTreeProposer(Proposer):
         self._shapes: dict[tuple[int, int, int], _GrowthShape] = {}
 
     def num_draft_nodes(self, num_speculative_tokens: int) -> int:
-        return max(num_speculative_tokens, self.max_nodes)
+        own = max(num_speculative_tokens, self.max_nodes)
+        return own if self.suffix is None else max(own, self.suffix.num_draft_nodes(num_speculative_tokens))
 
     def observe_hidden(self, request_id: str, start_position: int, hidden: torch.Tensor) -> None:
         self.kv.observe(request_id, start_position, hidden)
 
+    def add_request(self, request_id: str, prompt_token_ids) -> None:
+        if self.suffix is not None:
+            self.suffix.add_request(request_id, prompt_token_ids)
+
     def remove_request(self, request_id: str) -> None:
         self.kv.remove(request_id)
+        if self.suffix is not None:
+            self.suffix.remove_request(request_id)
+
+    def observe(self, feedback: VerifyFeedback) -> None:
+        if self.suffix is not None:
+            self.suffix.observe(feedback)
 
     def _begin(self, batch: list[SpecRequest]) -> tuple[int, list[tuple[int, SpecRequest, int, torch.Tensor]]]:
         """-> (the batch's deepest tree, [(index in batch, request, first catch-up position,
@@ -144,6 +165,11 @@ class FeatureTreeProposer(Proposer):
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
         trees = [DraftTree.empty() for _ in batch]
+        if self.suffix is not None:
+            asking = sum(r.num_speculative_tokens > 0 and r.max_nodes > 0 for r in batch)
+            batch, taken = self.suffix.split(batch, trees)
+            self.times.suffix_drafts += taken
+            self.times.drafter_drafts += asking - taken
         depth, begun = self._begin(batch)
         rows = [_Row(i, r.request_id, start, states, list(r.token_ids[start + 1:]), r.num_speculative_tokens,
                      r.max_nodes, self.kv.first(r.request_id), path_floor(r)) for i, r, start, states in begun]
@@ -283,9 +309,8 @@ class _EagleSteps:
 class EagleProposer(FeatureTreeProposer):
     name = "eagle"
 
-    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int,
-                 catch_up_window: int | None = None):
-        super().__init__(_EagleSteps(drafter, target.model.device), target, engine, max_nodes, topk, catch_up_window)
+    def __init__(self, drafter: Drafter, target: LoadedModel, engine: EngineConfig, **options):
+        super().__init__(_EagleSteps(drafter, target.model.device), target, engine, **options)
 
 
 class TreeCandidates:
@@ -443,6 +468,7 @@ class _GrowthPlan:
 
 
 MAX_DRAFT_TOPK = 32
+MAX_SUFFIX_THRESHOLD = 64.0
 # On the 2-core CPU a 9-token verification pass costs ~1.2-1.3x a decode step, and larger trees
 # cost more than their extra acceptance brings (EAGLE on held-out prompts: 8 nodes, top-2).
 DEFAULT_EAGLE_NODES = 8
@@ -463,6 +489,8 @@ class EagleOptions:
     num_draft_nodes: int | None = None
     draft_topk: int = 2
     catch_up_window: int | None = None
+    enable_suffix_decoding: bool = False
+    suffix_threshold: float | None = None
 
     def __post_init__(self) -> None:
         check_num_draft_nodes(self.num_draft_nodes)
@@ -470,13 +498,23 @@ class EagleOptions:
         topk = self.draft_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_DRAFT_TOPK:
             raise InvalidParameterError("draft_topk", topk, f"must be an integer in [1, {MAX_DRAFT_TOPK}]")
+        if not isinstance(self.enable_suffix_decoding, bool):
+            raise InvalidParameterError("enable_suffix_decoding", self.enable_suffix_decoding, "must be true or false")
+        t = self.suffix_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= MAX_SUFFIX_THRESHOLD):
+            raise InvalidParameterError("suffix_threshold", t, f"must be a number in [0, {MAX_SUFFIX_THRESHOLD}] (expected "
+                                        "tokens kept), or None (chosen by what each source's drafts kept)")
+
+    def companions(self) -> dict:
+        """The keyword arguments FeatureTreeProposer takes from these options."""
+        return {"max_nodes": self.num_draft_nodes or DEFAULT_EAGLE_NODES, "topk": self.draft_topk,
+                "catch_up_window": self.catch_up_window,
+                "suffix": SuffixFirst(SuffixProposer(), self.suffix_threshold) if self.enable_suffix_decoding else None}
 
 
 def _build(options: EagleOptions, model: str | None, target: LoadedModel, engine: EngineConfig) -> EagleProposer:
     from specserve.spec.heads.drafter import drafter_path, load_drafter
-    return EagleProposer(load_drafter(drafter_path(model, "eagle"), target), target, engine,
-                         max_nodes=options.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=options.draft_topk,
-                         catch_up_window=options.catch_up_window)
+    return EagleProposer(load_drafter(drafter_path(model, "eagle"), target), target, engine, **options.companions())
 
 
 # EAGLE drafts one depth per small pass, so its cap is lower than n-gram's.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from specserve.config import EngineConfig
 from specserve.errors import InvalidParameterError
 from specserve.model.loader import LoadedModel
-from specserve.spec.eagle import DEFAULT_EAGLE_NODES, EagleOptions, FeatureTreeProposer
+from specserve.spec.eagle import EagleOptions, FeatureTreeProposer
 from specserve.spec.heads.eagle3_loader import (DEFAULT_DRAFTER_FORMAT, DRAFTER_FORMATS, Eagle3Drafter,
                                                 load_eagle3_drafter)
 from specserve.spec.registry import MethodSpec
@@ -33,9 +33,8 @@ from specserve.spec.registry import MethodSpec
 class Eagle3Proposer(FeatureTreeProposer):
     name = "eagle3"
 
-    def __init__(self, drafter: Eagle3Drafter, target: LoadedModel, engine: EngineConfig, max_nodes: int, topk: int,
-                 catch_up_window: int | None = None):
-        super().__init__(drafter, target, engine, max_nodes, topk, catch_up_window)
+    def __init__(self, drafter: Eagle3Drafter, target: LoadedModel, engine: EngineConfig, **options):
+        super().__init__(drafter, target, engine, **options)
         self.hidden_layers = drafter.config.aux_layers  # the target's states it reads (module note)
 
 
@@ -59,8 +58,7 @@ class Eagle3Options(EagleOptions):
 
 def _build(options: Eagle3Options, model: str | None, target: LoadedModel, engine: EngineConfig) -> Eagle3Proposer:
     return Eagle3Proposer(load_eagle3_drafter(model, target, quantization=options.quantization), target, engine,
-                          max_nodes=options.num_draft_nodes or DEFAULT_EAGLE_NODES, topk=options.draft_topk,
-                          catch_up_window=options.catch_up_window)
+                          **options.companions())
 
 
 # eagle's tree and its default, and the drafter's format.

@@ -329,28 +329,30 @@ class SuffixProposer(Proposer):
             self.cached_tokens -= len(old)
 
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
-        trees = []
-        for r in batch:
-            if r.num_speculative_tokens <= 0:
-                trees.append(DraftTree.empty())
+        return DraftTreeProposal([self.draft(r)[0] for r in batch])
+
+    def draft(self, r: SpecRequest) -> tuple[DraftTree, float]:
+        """One request's draft tree and its expected accepted length (the sum of its nodes'
+        estimated probabilities; 0 for an empty tree): the better of the request's own tree's
+        and the global tree's."""
+        if r.num_speculative_tokens <= 0:
+            return DraftTree.empty(), 0.0
+        own = self.requests.get(r.request_id)
+        if own is None:  # never add_request'ed: index lazily, once
+            # (its first drafting step may come after some output: the prompt's length
+            # says where the answer that goes to the global tree starts)
+            own = self.requests[r.request_id] = _RequestTree(self.max_depth, r.token_ids, r.num_prompt_tokens)
+        own.sync(r.token_ids)
+        best, best_score = DraftTree.empty(), 0.0
+        for tree, found in ((own.tree, own.match()), (self.global_tree, self.global_tree.match(own.tokens))):
+            if found is None:
                 continue
-            own = self.requests.get(r.request_id)
-            if own is None:  # never add_request'ed: index lazily, once
-                # (its first drafting step may come after some output: the prompt's length
-                # says where the answer that goes to the global tree starts)
-                own = self.requests[r.request_id] = _RequestTree(self.max_depth, r.token_ids, r.num_prompt_tokens)
-            own.sync(r.token_ids)
-            best, best_score = DraftTree.empty(), 0.0
-            for tree, found in ((own.tree, own.match()), (self.global_tree, self.global_tree.match(own.tokens))):
-                if found is None:
-                    continue
-                node, length = found
-                depth = min(r.num_speculative_tokens, max(1, int(self.spec_factor * length)))
-                draft, score = draft_tree(tree, own.tokens, node, length, depth, r.max_nodes, self.min_token_prob)
-                if score > best_score:
-                    best, best_score = draft, score
-            trees.append(best)
-        return DraftTreeProposal(trees)
+            node, length = found
+            depth = min(r.num_speculative_tokens, max(1, int(self.spec_factor * length)))
+            draft, score = draft_tree(tree, own.tokens, node, length, depth, r.max_nodes, self.min_token_prob)
+            if score > best_score:
+                best, best_score = draft, score
+        return best, best_score
 
 
 @dataclass(frozen=True, slots=True)
