@@ -16,7 +16,7 @@ from specserve.errors import InvalidParameterError
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec import SpecRequest, VerifyFeedback
-from specserve.spec.suffix import COUNT, KIDS, SuffixProposer, SuffixTree, draft_tree
+from specserve.spec.suffix import SuffixProposer, SuffixTree, draft_tree
 from tests.test_spec_e2e import LENGTH, assert_smollm_greedy_equals_plain, micro, sample_first_tokens, tiny_prompts  # noqa: F401  (micro: a fixture)
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -37,8 +37,8 @@ def tree_counts(tree: SuffixTree) -> Counter:
     stack = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for t, child in (node[KIDS] or {}).items():
-            out[path + (t,)] = child[COUNT]
+        for t, child in tree.children(node).items():
+            out[path + (t,)] = tree.count(child)
             stack.append((path + (t,), child))
     return out
 
@@ -64,9 +64,9 @@ def test_match_finds_the_longest_continued_suffix():
     tree = SuffixTree(4)
     tree.add([1, 2, 3, 9, 2, 3, 7])
     node, length = tree.match([5, 1, 2, 3])
-    assert length == 3 and set(node[KIDS]) == {9}  # "1 2 3" was followed by 9
+    assert length == 3 and set(tree.children(node)) == {9}  # "1 2 3" was followed by 9
     node, length = tree.match([8, 2, 3])
-    assert length == 2 and set(node[KIDS]) == {9, 7}
+    assert length == 2 and set(tree.children(node)) == {9, 7}
     assert tree.match([3, 7]) is None  # "7" ends the sequence: never continued
     assert tree.match([4]) is None
 
@@ -210,3 +210,20 @@ def test_suffix_sampling_has_the_target_distribution(micro):  # noqa: F811
     stats = LLM.aggregate_spec_stats(outs)
     assert stats.num_drafted > len(outs) // 2 and 0.05 < stats.acceptance_rate < 0.95, stats
     assert pvalue > 1e-3
+
+
+def test_removed_nodes_are_reused_and_no_tree_node_is_a_collector_object():
+    """A cache that keeps taking sequences in and out holds a bounded number of node slots, and
+    the garbage collector tracks none of a tree's node tables (a full collection would walk
+    them all)."""
+    import gc
+
+    tree = SuffixTree(6)
+    tree.add([1, 2, 3, 4, 5, 6, 7, 8])
+    for i in range(50):
+        seq = [(i * 7 + j) % 13 for j in range(30)]
+        tree.add(seq)
+        tree.remove(seq)
+    assert tree_counts(tree) == substring_counts([[1, 2, 3, 4, 5, 6, 7, 8]], 6)
+    assert len(tree.counts) <= 1 + 8 * 6 + 30 * 6  # one sequence's nodes at most beside the kept one
+    assert not any(gc.is_tracked(k) for k in tree.kids if k is not None)

@@ -18,11 +18,9 @@ of them, so keeping a request's tree current costs O(max_depth) per committed to
 
 from __future__ import annotations
 
-import gc
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from specserve.drafts import DraftTreeProposal, SpecRequest, VerifyFeedback
@@ -42,29 +40,14 @@ DEFAULT_SPEC_FACTOR = 1.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 
 
-# A node is a list [count, children]: count = occurrences of the suffix it spells (sequence ends
-# included), children = {token: node} or None. Lists, not objects, because indexing a prompt
-# creates up to `max_depth` nodes per token: measured 32 us per token against 55 for a slotted
-# class (depth 16, 5000 tokens of Spec-Bench text), for ~24 more bytes a node.
-COUNT, KIDS = 0, 1
-_Node = list
-
-
-@contextmanager
-def _no_gc():
-    """Python's cyclic garbage collector paused while text is indexed: each token adds up to
-    `max_depth` lists and dicts, and the collections that many allocations set off walk the
-    whole, growing tree (measured, depth 16, 5000 tokens: 31-50 us per token with it running,
-    7-17 without; in decoding, the 1-3 tokens a step commits took ~46 us a call with it). The
-    trees hold no reference cycles, so nothing is left for it to find."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
+# Nodes are ints: counts[n] = occurrences of the suffix node n spells (sequence ends included),
+# kids[n] = {token: child node} or None (an empty dict too: no continuation). A dict of ints
+# only is never tracked by Python's cyclic garbage collector, so the trees (a request's ~16
+# nodes per token of text, the global one up to 16 per cached token) add nothing to what a
+# full collection walks: with a list and a dict per node they were most of it (measured, 64
+# requests in flight with their trees: 0.94 s of full collections in a 12 s run against 0.15
+# without them).
+ROOT = 0
 
 
 class SuffixTree:
@@ -76,41 +59,54 @@ class SuffixTree:
     its child t: the suffixes of the longer sequence.
     """
 
-    __slots__ = ("max_depth", "root", "num_nodes")
+    __slots__ = ("max_depth", "counts", "kids", "free", "num_nodes")
 
     def __init__(self, max_depth: int = DEFAULT_TREE_DEPTH):
         self.max_depth = max_depth
-        self.root: _Node = [0, None]
+        self.counts: list[int] = [0]
+        self.kids: list[dict[int, int] | None] = [None]
+        self.free: list[int] = []  # removed nodes, reused
         self.num_nodes = 1
 
-    def cursor(self) -> list[_Node]:
+    @property
+    def root(self) -> int:
+        return ROOT
+
+    def count(self, node: int) -> int:
+        return self.counts[node]
+
+    def children(self, node: int) -> dict[int, int]:
+        """{token: child} (empty when nothing followed)."""
+        return self.kids[node] or {}
+
+    def cursor(self) -> list[int]:
         """The cursor of an empty sequence."""
-        return [self.root]
+        return [ROOT]
 
-    def extend(self, cursor: list[_Node], tokens: Sequence[int]) -> list[_Node]:
+    def extend(self, cursor: list[int], tokens: Sequence[int]) -> list[int]:
         """Count `tokens` after the sequence `cursor` ends, one after the other; the cursor of
-        the longer sequence. (This loop is the prompt's indexing cost, so it keeps to locals and
-        literal indices: [0] the count, [1] the children.)"""
-        with _no_gc():
-            return self._walk(cursor, tokens)
-
-    def _walk(self, cursor: list[_Node], tokens: Sequence[int]) -> list[_Node]:
-        root, depth, new = self.root, self.max_depth, 0
+        the longer sequence. (This loop is the prompt's indexing cost, so it keeps to locals.)"""
+        counts, kids, free, depth, new = self.counts, self.kids, self.free, self.max_depth, 0
         for token in tokens:
-            out = [root]
+            out = [ROOT]
             for node in cursor[:depth]:
-                kids = node[1]
-                if kids is None:
-                    child = [1, None]
-                    node[1] = {token: child}
+                k = kids[node]
+                child = None if k is None else k.get(token)
+                if child is None:
+                    if free:
+                        child = free.pop()
+                        counts[child] = 1
+                    else:
+                        child = len(counts)
+                        counts.append(1)
+                        kids.append(None)
+                    if k is None:
+                        kids[node] = {token: child}
+                    else:
+                        k[token] = child
                     new += 1
                 else:
-                    child = kids.get(token)
-                    if child is None:
-                        child = kids[token] = [1, None]
-                        new += 1
-                    else:
-                        child[0] += 1
+                    counts[child] += 1
                 out.append(child)
             cursor = out
         self.num_nodes += new
@@ -121,37 +117,45 @@ class SuffixTree:
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undo `add(tokens)`: counts down, and nodes no other sequence reaches are dropped."""
-        cursor = [self.root]
+        counts, kids = self.counts, self.kids
+        cursor, dropped = [ROOT], []
         for t in tokens:
-            out = [self.root]
+            out = [ROOT]
             for node in cursor[: self.max_depth]:
-                child = node[KIDS][t]
-                child[COUNT] -= 1
-                if child[COUNT] == 0:
+                child = kids[node][t]
+                counts[child] -= 1
+                if counts[child] == 0:
                     # Only this sequence passed here, so every node below is this sequence's
                     # too and the walk counts each of them down to 0 in turn (it visits every
-                    # occurrence the sequence added), going on in the detached subtree.
-                    del node[KIDS][t]
-                    self.num_nodes -= 1
+                    # occurrence the sequence added), going on in the detached subtree: its
+                    # nodes are freed once the walk is done.
+                    del kids[node][t]
+                    dropped.append(child)
                 out.append(child)
             cursor = out
+        for node in dropped:
+            kids[node] = None
+        self.free.extend(dropped)
+        self.num_nodes -= len(dropped)
 
-    def match(self, tokens: Sequence[int]) -> tuple[_Node, int] | None:
+    def match(self, tokens: Sequence[int]) -> tuple[int, int] | None:
         """The node of the longest suffix of `tokens` (at most max_depth) that some sequence
         continued, and its length; None when not even the last token was ever followed."""
+        kids = self.kids
         n = len(tokens)
         for length in range(min(self.max_depth, n), 0, -1):
-            node = self.root
+            node = ROOT
             for t in tokens[n - length:]:
-                node = node[KIDS].get(t) if node[KIDS] else None
+                k = kids[node]
+                node = k.get(t) if k else None
                 if node is None:
                     break
-            if node is not None and node[KIDS]:
+            if node is not None and kids[node]:
                 return node, length
         return None
 
 
-def draft_tree(tree: SuffixTree, context: Sequence[int], node: _Node, match_length: int, max_depth: int,
+def draft_tree(tree: SuffixTree, context: Sequence[int], node: int, match_length: int, max_depth: int,
                max_nodes: int, min_prob: float) -> tuple[DraftTree, float]:
     """The most probable continuations of `context`, whose last `match_length` tokens spell
     `node` of `tree`, as a token tree: nodes taken best first by estimated probability (the
@@ -171,37 +175,40 @@ def draft_tree(tree: SuffixTree, context: Sequence[int], node: _Node, match_leng
     heap: list = []
     order = 0
 
-    def reanchor(draft_node: int) -> tuple[_Node, int] | None:
+    counts, all_kids = tree.counts, tree.kids
+
+    def reanchor(draft_node: int) -> tuple[int, int] | None:
         path = []
         while draft_node >= 0:
             path.append(tokens[draft_node])
             draft_node = parents[draft_node]
         keep = tree.max_depth // 2
         tail = (list(context[-keep:]) + path[::-1])[-keep:]
-        n = tree.root
+        n = ROOT
         for t in tail:
-            n = n[KIDS].get(t) if n[KIDS] else None
+            k = all_kids[n]
+            n = k.get(t) if k else None
             if n is None:
                 return None
         return n, len(tail)
 
-    def push(parent_node: _Node, node_depth: int, parent: int, prob: float, depth: int) -> None:
+    def push(parent_node: int, node_depth: int, parent: int, prob: float, depth: int) -> None:
         nonlocal order
         if depth > max_depth:
             return
-        if not parent_node[KIDS] and node_depth >= tree.max_depth:
+        if not all_kids[parent_node] and node_depth >= tree.max_depth:
             found = reanchor(parent)
             if found is None:
                 return
             parent_node, node_depth = found
-        if not parent_node[KIDS]:
+        kids = all_kids[parent_node]
+        if not kids:
             return
         # Over the continuations only: an occurrence at the very end of a sequence (the
         # request's own current end, for one) says nothing about what follows.
-        kids = parent_node[KIDS]
-        total = sum(c[COUNT] for c in kids.values())
+        total = sum(counts[c] for c in kids.values())
         for tok, child in kids.items():
-            p = prob * child[COUNT] / total
+            p = prob * counts[child] / total
             if p >= min_prob:
                 heapq.heappush(heap, (-p, order, tok, child, node_depth + 1, parent, depth))
                 order += 1
@@ -256,11 +263,12 @@ class _RequestTree:
         self.cursor = self.tree.extend(self.cursor, tokens)
         self.tokens.extend(tokens)
 
-    def match(self) -> tuple[_Node, int] | None:
+    def match(self) -> tuple[int, int] | None:
         """SuffixTree.match of the request's own text, read off the cursor: its deepest node
         that earlier text continued."""
+        kids = self.tree.kids
         for length in range(len(self.cursor) - 1, 0, -1):
-            if self.cursor[length][KIDS]:
+            if kids[self.cursor[length]]:
                 return self.cursor[length], length
         return None
 
