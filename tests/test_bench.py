@@ -9,7 +9,8 @@ import pytest
 
 from specserve.bench.cli import add_bench_parser, parse_concurrency, parse_ks, parse_methods, parse_peers, run_bench
 from specserve.bench.runner import Config, Sample, figures, measure, report
-from specserve.bench.throughput import Completion, ConcurrentRun, percentile, run_concurrent, throughput_figures
+from specserve.bench.throughput import (Completion, ConcurrentRun, combine_rounds, percentile, run_concurrent,
+                                        throughput_figures)
 from specserve.bench.workload import Selection, load_workload, select
 from specserve.errors import InvalidParameterError, SpecserveError
 from specserve.outputs import SpecStats
@@ -24,7 +25,7 @@ RESULT_KEYS = {"method", "label", "draft", "num_speculative_tokens", "temperatur
 # is over the run's wall time), plus the serving figures.
 THROUGHPUT_KEYS = (RESULT_KEYS - {"per_category", "prefill_tokens_per_s", "draft_ms_per_pass", "target_ms_per_pass"}) | {
     "concurrency", "wall_s", "requests_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
-    "prefix_cache_hit_rate", "num_preemptions", "mean_chosen_depth"}
+    "prefix_cache_hit_rate", "num_preemptions", "mean_chosen_depth", "rounds", "speedup_min", "speedup_max"}
 
 
 def bench(argv: list[str]) -> int:
@@ -281,6 +282,26 @@ def test_throughput_figures():
     assert d["drafts_per_pass"] == 2.0 and d["mean_chosen_depth"] is None  # 4 drafts over 2 passes; k fixed
 
 
+def test_rounds_combine_as_medians_with_the_speedups_range():
+    """Three rounds of one configuration, each against its own round's plain: medians, the
+    speedups' range, the least identical fraction; one round passes through unchanged."""
+    def run(config, wall, tokens):
+        return ConcurrentRun(config, 2, [Completion(tokens, 0.1 * wall, 0.01 * wall, wall, None)], wall_s=wall,
+                             prefix_cache_hit_rate=0.0, num_preemptions=0)
+
+    rounds = []
+    for plain_wall, spec_wall, same in ((2.0, 1.0, True), (2.0, 2.0, False), (3.0, 2.0, True)):
+        base = run(Config("none"), plain_wall, [1, 2, 3, 4])
+        spec = run(Config("ngram", 2), spec_wall, [1, 2, 3, 4] if same else [1, 2, 3, 5])
+        rounds.append(throughput_figures(spec, base, temperature=0.0))
+    f = combine_rounds(rounds)
+    assert [r.speedup for r in rounds] == [2.0, 1.0, 1.5]
+    assert f.speedup == 1.5 and (f.speedup_min, f.speedup_max) == (1.0, 2.0) and f.rounds == 3
+    assert f.tokens_per_s == 2.0 and f.identical_to_baseline == 0.0 and f.num_tokens == 12
+    assert f.ttft_ms_p50 == pytest.approx(200.0)
+    assert combine_rounds(rounds[:1]) is rounds[0] and rounds[0].rounds == 1 and rounds[0].speedup_min is None
+
+
 class _FakeEngine:
     """Finishes the oldest running request every step; notes how many ran together."""
 
@@ -353,3 +374,22 @@ def test_throughput_sweep_writes_one_entry_per_configuration_and_concurrency(tmp
     captured = capsys.readouterr()
     assert "ttft p50" in captured.out and "concurrency 1,4" in captured.out
     assert "peers (transformers) run in latency mode only; skipped with --concurrency" in captured.err
+
+
+def test_throughput_rounds_report_medians_and_the_speedup_range(tmp_path, capsys):
+    model = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(json.dumps({"turns": [f"t{3 + i} t{9 + i} t{3 + i} t{9 + i}"]}) + "\n" for i in range(2)))
+    out = tmp_path / "r.json"
+    assert bench(["--model", str(model), "--workload", str(work), "--methods", "none,ngram", "--max-tokens", "6",
+                  "--concurrency", "2", "--rounds", "3", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rounds"] == 3
+    plain, ngram = doc["results"]
+    assert plain["rounds"] == ngram["rounds"] == 3 and plain["num_prompts"] == 2
+    assert plain["speedup"] == plain["speedup_min"] == plain["speedup_max"] == 1.0
+    assert ngram["speedup_min"] <= ngram["speedup"] <= ngram["speedup_max"]
+    assert ngram["identical_to_baseline"] == 1.0
+    assert "medians of 3 rounds" in capsys.readouterr().out
+    with pytest.raises(InvalidParameterError, match="rounds.*throughput mode"):
+        bench(["--model", str(model), "--workload", str(work), "--methods", "none", "--rounds", "2"])

@@ -59,6 +59,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--concurrency", default=None,
                    help="throughput mode: keep N requests in flight in one engine, or a comma list to sweep "
                         "(e.g. 1,4,16,64); without it, one request at a time (latency mode)")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="throughput mode: measure every configuration at every concurrency this many times, the "
+                        "order rotating each round, and report the medians with the range of the speedups (each "
+                        "against plain in its own round): one run on a shared machine moves 10-20%%")
     b.add_argument("--json", default=None, help="write the figures to this JSON file")
     b.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the figures into this PNG: speedup over plain by category (by concurrency with "
@@ -188,6 +192,11 @@ def run_bench(args) -> int:
     concurrency = parse_concurrency(args.concurrency)
     if isinstance(args.repeat, bool) or not 1 <= args.repeat <= MAX_REPEAT:
         raise InvalidParameterError("repeat", args.repeat, f"must be an integer in [1, {MAX_REPEAT}]")
+    if not 1 <= args.rounds <= MAX_REPEAT:
+        raise InvalidParameterError("rounds", args.rounds, f"must be an integer in [1, {MAX_REPEAT}]")
+    if args.rounds > 1 and concurrency is None:
+        raise InvalidParameterError("rounds", args.rounds, "applies with --concurrency (throughput mode); latency "
+                                    "mode alternates configurations prompt by prompt already")
     file = load_config_file(args.config)
     flags = engine_args.given(args, engine_args.FLAG_KEYS)
     spec_configs = speculative_configs(methods, ks, flags, file.get("speculative_config"))
@@ -239,6 +248,8 @@ def run_bench(args) -> int:
 
     if args.repeat > 1:
         settings["repeat"] = args.repeat
+    if args.rounds > 1:
+        settings["rounds"] = args.rounds
     # Pass after pass; a prompt asked again samples with its own seed again.
     prompt_ids = [ids for _, ids in fitting] * args.repeat
     passes = [f"pass {i // len(fitting) + 1}" for i in range(len(prompt_ids))]
@@ -252,7 +263,7 @@ def run_bench(args) -> int:
         results = run_throughput(loaded, [Config("none")] + [c for c, _ in spec_configs], dict(spec_configs),
                                   prompt_ids, concurrency, params_for, warmup, args.temperature,
                                   min(max_len, max(map(len, prompt_ids)) + args.max_tokens),
-                                  engine.get("max_num_batched_tokens"))
+                                  engine.get("max_num_batched_tokens"), args.rounds)
         _print_throughput_table(results, time.perf_counter() - t0)
     else:
         runners = [baseline] + [SpecserveRunner(c, LLM(loaded=loaded, speculative_config=s, **engine))
@@ -344,12 +355,17 @@ def _print_table(reports, seconds: float) -> None:
 
 def _print_throughput_table(results, seconds: float) -> None:
     width = max(24, *(len(r.config.label) for r in results)) + 1
-    print(f"\n{'configuration':<{width}} {'conc':>5} {'tok/s':>8} {'req/s':>7} {'speedup':>8} {'ttft p50':>9} "
+    ranged = any(r.rounds > 1 for r in results)
+    print(f"\n{'configuration':<{width}} {'conc':>5} {'tok/s':>8} {'req/s':>7} {'speedup':>8}"
+          f"{' ' + 'range'.rjust(9) if ranged else ''} {'ttft p50':>9} "
           f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'accept':>7} {'tau':>6} {'k':>5} {'drafts':>6} {'prefix':>7} "
           f"{'identical':>9}")
+    ranged = any(r.rounds > 1 for r in results)
     for r in results:
+        spread = (f" {_fmt(r.speedup_min)}-{_fmt(r.speedup_max)}" if r.speedup_min is not None else " -").rjust(10) \
+            if ranged else ""
         print(f"{r.config.label:<{width}} {r.concurrency:>5} {r.tokens_per_s:>8.1f} {r.requests_per_s:>7.2f} "
-              f"{_fmt(r.speedup, suffix='x'):>8} {_fmt(r.ttft_ms_p50, '{:.1f}'):>9} {_fmt(r.ttft_ms_p99, '{:.1f}'):>9} "
+              f"{_fmt(r.speedup, suffix='x'):>8}{spread} {_fmt(r.ttft_ms_p50, '{:.1f}'):>9} {_fmt(r.ttft_ms_p99, '{:.1f}'):>9} "
               f"{_fmt(r.tpot_ms_p50, '{:.1f}'):>9} {_fmt(r.tpot_ms_p99, '{:.1f}'):>9} {_fmt(r.acceptance_rate):>7} "
               f"{_fmt(r.mean_accepted_length):>6} {_fmt(r.mean_chosen_depth):>5} {_fmt(r.drafts_per_pass):>6} "
               f"{r.prefix_cache_hit_rate:>7.2f} {_fmt(r.identical_to_baseline):>9}")
@@ -358,4 +374,5 @@ def _print_throughput_table(results, seconds: float) -> None:
           f"and identical: against plain at the same concurrency; ttft, tpot: ms per request, time to first token "
           f"and per output token after it; tau: tokens per target pass; k: draft depth chosen per request and step "
           f"(adaptive); drafts: drafts verified per target pass; prefix: prefix-cache hit rate; "
-          f"{preempted} preemptions; measured in {seconds:.0f}s)")
+          f"{preempted} preemptions; measured in {seconds:.0f}s"
+          + (f"; medians of {results[0].rounds} rounds, range: the rounds' speedups)" if ranged else ")"))

@@ -3,11 +3,12 @@ in flight, a new one submitted as soon as one finishes, and the serving figures 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specserve.bench.runner import Config, rate
 from specserve.outputs import SpecStats
@@ -125,6 +126,11 @@ class ThroughputFigures:
     num_preemptions: int
     mean_chosen_depth: float | None = None  # adaptive speculation's average draft depth per request-step
     drafts_per_pass: float | None = None  # drafts verified per target pass (what the proposer found)
+    # With several rounds (combine_rounds): how many, and the least and greatest of their speedups
+    # (each against plain in the same round); the figures above are the rounds' medians.
+    rounds: int = 1
+    speedup_min: float | None = None
+    speedup_max: float | None = None
 
     def as_dict(self) -> dict:
         r = lambda x: None if x is None else round(x, 4)  # noqa: E731
@@ -140,7 +146,38 @@ class ThroughputFigures:
                 else [r(a) for a in self.acceptance_by_position],
                 "identical_to_baseline": r(self.identical_to_baseline),
                 "prefix_cache_hit_rate": r(self.prefix_cache_hit_rate), "num_preemptions": self.num_preemptions,
-                "mean_chosen_depth": r(self.mean_chosen_depth), "drafts_per_pass": r(self.drafts_per_pass)}
+                "mean_chosen_depth": r(self.mean_chosen_depth), "drafts_per_pass": r(self.drafts_per_pass),
+                "rounds": self.rounds, "speedup_min": r(self.speedup_min), "speedup_max": r(self.speedup_max)}
+
+
+def combine_rounds(rounds: Sequence[ThroughputFigures]) -> ThroughputFigures:
+    """One configuration at one concurrency measured in several rounds (each against plain in its
+    own round) -> one set of figures: the rounds' medians (tok/s, speedup, latencies, acceptance),
+    the least identical fraction, and the speedups' range. One round is returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+    med = lambda xs: None if any(x is None for x in xs) else statistics.median(xs)  # noqa: E731
+    first = rounds[0]
+    speedups = [f.speedup for f in rounds]
+    by_position = None
+    if all(f.acceptance_by_position is not None for f in rounds):
+        n = min(len(f.acceptance_by_position) for f in rounds)
+        by_position = [statistics.median(f.acceptance_by_position[j] for f in rounds) for j in range(n)]
+    return replace(
+        first, num_tokens=sum(f.num_tokens for f in rounds), wall_s=sum(f.wall_s for f in rounds),
+        tokens_per_s=med([f.tokens_per_s for f in rounds]), requests_per_s=med([f.requests_per_s for f in rounds]),
+        decode_tokens_per_s=med([f.decode_tokens_per_s for f in rounds]), speedup=med(speedups),
+        ttft_ms_p50=med([f.ttft_ms_p50 for f in rounds]), ttft_ms_p99=med([f.ttft_ms_p99 for f in rounds]),
+        tpot_ms_p50=med([f.tpot_ms_p50 for f in rounds]), tpot_ms_p99=med([f.tpot_ms_p99 for f in rounds]),
+        acceptance_rate=med([f.acceptance_rate for f in rounds]),
+        mean_accepted_length=med([f.mean_accepted_length for f in rounds]), acceptance_by_position=by_position,
+        identical_to_baseline=None if first.identical_to_baseline is None
+        else min(f.identical_to_baseline for f in rounds),
+        prefix_cache_hit_rate=statistics.median(f.prefix_cache_hit_rate for f in rounds),
+        num_preemptions=sum(f.num_preemptions for f in rounds),
+        mean_chosen_depth=med([f.mean_chosen_depth for f in rounds]), drafts_per_pass=med([f.drafts_per_pass for f in rounds]),
+        rounds=len(rounds), speedup_min=None if None in speedups else min(speedups),
+        speedup_max=None if None in speedups else max(speedups))
 
 
 def throughput_figures(run: ConcurrentRun, baseline: ConcurrentRun, temperature: float) -> ThroughputFigures:
@@ -172,19 +209,22 @@ def throughput_figures(run: ConcurrentRun, baseline: ConcurrentRun, temperature:
 def measure_throughput(configs: Sequence[Config], build_engine: Callable[[Config, int], object],
                        prompts: Sequence[list[int]], concurrencies: Sequence[int],
                        params_for: Callable[[int], SamplingParams], warmup: SamplingParams,
-                       progress: Callable[[str], None]) -> list[ConcurrentRun]:
+                       progress: Callable[[str], None], rounds: int = 1) -> list[ConcurrentRun]:
     """Every configuration at every concurrency, each on a fresh engine (so the prefix cache
-    holds no answers of an earlier run); -> runs ordered by concurrency, then `configs`.
+    holds no answers of an earlier run), `rounds` times over; -> runs ordered by round, then
+    concurrency, then `configs`.
 
-    `configs[0]` is plain decoding. At each concurrency the configuration order rotates, so that
-    no configuration always runs first. Before measuring, each engine runs min(c, n) short
-    requests on reversed prompts (their blocks hash apart from the real ones, so the warm-up
-    leaves nothing in the prefix cache that the measured run could hit)."""
+    `configs[0]` is plain decoding. At each concurrency and round the configuration order
+    rotates, so that no configuration always runs first (a shared machine's slow minutes fall on
+    each in turn). Before measuring, each engine runs min(c, n) short requests on reversed
+    prompts (their blocks hash apart from the real ones, so the warm-up leaves nothing in the
+    prefix cache that the measured run could hit)."""
     runs: list[ConcurrentRun] = []
-    for ci, c in enumerate(concurrencies):
+    for ci, c in ((ci, c) for _ in range(rounds) for ci, c in enumerate(concurrencies)):
         found: dict[int, ConcurrentRun] = {}
+        shift = ci + len(runs) // max(1, len(configs) * len(concurrencies))  # + the round
         for j in range(len(configs)):
-            idx = (ci + j) % len(configs)
+            idx = (shift + j) % len(configs)
             config = configs[idx]
             engine = build_engine(config, c)
             warm = [list(reversed(p)) for p in prompts[:min(c, len(prompts))]]
@@ -197,8 +237,9 @@ def measure_throughput(configs: Sequence[Config], build_engine: Callable[[Config
 
 def run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[list[int]], concurrency: list[int],
                    params_for, warmup, temperature: float, model_len: int,
-                   max_num_batched_tokens: int | None = None) -> list[ThroughputFigures]:
-    """Every configuration at every concurrency, each on its own engine with room for c requests.
+                   max_num_batched_tokens: int | None = None, rounds: int = 1) -> list[ThroughputFigures]:
+    """Every configuration at every concurrency, each on its own engine with room for c requests,
+    `rounds` times over (combine_rounds: medians, and each speedup against its own round's plain).
 
     `model_len` is the longest request's context, not the model's: the KV pools (the target's
     and a draft model's, as many blocks each) then hold c requests at once without preemption
@@ -217,10 +258,18 @@ def run_throughput(loaded, configs: list[Config], specs: dict, prompts: list[lis
                   max_num_batched_tokens=max_num_batched_tokens)
         return llm.engine
 
-    with tqdm(total=len(prompts) * len(configs) * len(concurrency), desc="bench", unit="req", file=sys.stderr) as bar:
+    with tqdm(total=len(prompts) * len(configs) * len(concurrency) * rounds, desc="bench", unit="req",
+              file=sys.stderr) as bar:
         def progress(label: str) -> None:
             bar.set_postfix_str(label, refresh=False)
             bar.update(1)
-        runs = measure_throughput(configs, build_engine, prompts, concurrency, params_for, warmup, progress)
-    plain = {r.concurrency: r for r in runs if r.config.method == "none"}
-    return [throughput_figures(r, plain[r.concurrency], temperature) for r in runs]
+        runs = measure_throughput(configs, build_engine, prompts, concurrency, params_for, warmup, progress, rounds)
+    per_round = len(configs) * len(concurrency)
+    figures: dict[tuple[int, int], list[ThroughputFigures]] = {}
+    for start in range(0, len(runs), per_round):
+        block = runs[start:start + per_round]
+        plain = {r.concurrency: r for r in block if r.config.method == "none"}
+        for i, r in enumerate(block):
+            figures.setdefault((i // len(configs), i % len(configs)), []).append(
+                throughput_figures(r, plain[r.concurrency], temperature))
+    return [combine_rounds(figures[key]) for key in sorted(figures)]
