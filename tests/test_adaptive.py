@@ -342,6 +342,36 @@ def test_speculation_switches_off_where_it_does_not_pay_and_on_where_it_does(tin
     assert cheap.engine.stats().mean_draft_depth > 1.0
 
 
+def test_plans_price_drafts_against_the_decodes_not_a_prompt_chunk_beside_them(tiny, monkeypatch):
+    """A long prompt prefilled in chunks while others decode: every plan is made over the
+    decoding requests' roots alone (a chunk's time buys prompt tokens, and beside it draft rows
+    would look nearly free), and the outputs are plain's."""
+    prompts = tiny_prompts(3) + [list(range(2, 62)) + list(range(3, 50))]
+    # Plain decoding in the same chunks is the reference (the torch path's sums follow the chunking).
+    plain = LLM(loaded=tiny["loaded"], max_num_seqs=4, max_num_batched_tokens=24)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram"}, max_num_seqs=4,
+              max_num_batched_tokens=24)
+    seen, step = [], {}
+    real_plan, real_propose = llm.engine.planner.plan, llm.engine._propose
+
+    def propose(scheduled):
+        step["decoding"] = sum(not s.request.finished and s.samples for s in scheduled)
+        step["chunk"] = any(not s.samples for s in scheduled)
+        return real_propose(scheduled)
+
+    def plan(base, rows):
+        seen.append((base.num_tokens, step["decoding"], step["chunk"]))
+        return real_plan(base, rows)
+
+    monkeypatch.setattr(llm.engine.planner, "plan", plan)
+    monkeypatch.setattr(llm.engine, "_propose", propose)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(n == decoding for n, decoding, _ in seen)
+    assert any(chunk for _, _, chunk in seen)  # plans were made beside prompt chunks
+
+
 def test_a_request_with_its_own_k_is_not_planned(tiny):
     llm = LLM(loaded=tiny["loaded"], speculative_config={"method": "ngram"}, max_num_seqs=2)
     llm.engine.add_request("fixed", tiny_prompts(1)[0], GREEDY, num_speculative_tokens=3)

@@ -168,8 +168,9 @@ class SpeculationPlanner:
         return self.method.rates([INITIAL_ACCEPTANCE] * n, METHOD_PRIOR_STRENGTH)
 
     def plan(self, base: PassShape, rows: list[PlanRow]) -> Plan:
-        """Draft lengths for `rows`, given the rest of the pass (`base`: prompt chunks and one
-        token per decoding request, already counted)."""
+        """Draft lengths for `rows`, given the rest of the pass (`base`: one token per decoding
+        request, already counted; the engine leaves prompt chunks out, whose time buys no
+        committed token)."""
         prior = self.method_rates()
         heap: list[tuple[float, int, int]] = []  # (-gain of the next position, row, position)
         gains: list[list[float]] = []

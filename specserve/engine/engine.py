@@ -419,11 +419,17 @@ class LLMEngine:
         planned = [s.request for s in rows if s.request.adaptive and depths[s.request.request_id] > 0]
         floor = 0.0
         if planned and self.planner is not None:
+            # The next step's decodes, each its root. Prompt chunks are left out: their time
+            # buys prompt tokens, not the committed tokens the plan counts, and a step that
+            # carries a long chunk would make every draft row look nearly free beside it (at 64
+            # in flight, Spec-Bench: drafting through the prompts' steps where a decode-only
+            # step would not, 0.91-0.96x plain over three rounds). A draft row costs about what
+            # it does in a decode-only step, and a token it saves is worth that step's share.
             base = PassShape(0)
             for s in scheduled:
                 r = s.request
-                if not r.finished:  # the next step: each decode's root, each prompt a chunk like this one
-                    base.add(1 if s.samples else s.num_new_tokens, r.num_computed_tokens)
+                if not r.finished and s.samples:
+                    base.add(1, r.num_computed_tokens)
             plan = self.planner.plan(base, [PlanRow(r.request_id, r.num_computed_tokens, depths[r.request_id])
                                             for r in planned])
             depths.update((r.request_id, d) for r, d in zip(planned, plan.depths))
