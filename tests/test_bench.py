@@ -34,6 +34,17 @@ def bench(argv: list[str]) -> int:
     return run_bench(parser.parse_args(["bench", *argv]))
 
 
+def bench_json(tmp_path, turns: list[str], *args: str) -> dict:
+    """`specserve bench` on a tiny random model (tmp_path/m) over one-turn prompts (tmp_path/w.jsonl);
+    -> the JSON it wrote."""
+    model = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
+    work = tmp_path / "w.jsonl"
+    work.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in turns))
+    out = tmp_path / "r.json"
+    assert bench(["--model", str(model), "--workload", str(work), *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 # ---- workloads ----------------------------------------------------------------------------------
 
 def test_spec_bench_is_shipped_whole():
@@ -210,13 +221,8 @@ def test_bench_end_to_end_writes_json(tmp_path, capsys):
 def test_repeated_prompts_are_reported_by_pass(tmp_path, capsys):
     """--repeat 2: the same prompts twice in one engine per configuration; suffix decoding
     remembers the first pass's answers, so the second pass accepts more."""
-    model = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
-    work = tmp_path / "w.jsonl"
-    work.write_text("".join(json.dumps({"turns": [f"t{3 + i} t{9 + 2 * i} t5 t{7 + i}"]}) + "\n" for i in range(3)))
-    out = tmp_path / "r.json"
-    assert bench(["--model", str(model), "--workload", str(work), "--methods", "none,suffix", "--repeat", "2",
-                  "--num-speculative-tokens", "8", "--max-tokens", "16", "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    doc = bench_json(tmp_path, [f"t{3 + i} t{9 + 2 * i} t5 t{7 + i}" for i in range(3)], "--methods", "none,suffix",
+                     "--repeat", "2", "--num-speculative-tokens", "8", "--max-tokens", "16")
     assert doc["settings"]["repeat"] == 2 and doc["workload"]["num_prompts"] == 3
     plain, suffix = doc["results"]
     assert list(suffix["per_pass"]) == ["pass 1", "pass 2"] and suffix["per_pass"]["pass 1"]["num_prompts"] == 3
@@ -377,13 +383,8 @@ def test_throughput_sweep_writes_one_entry_per_configuration_and_concurrency(tmp
 
 
 def test_throughput_rounds_report_medians_and_the_speedup_range(tmp_path, capsys):
-    model = make_tiny_checkpoint(tmp_path / "m", vocab_size=64)
-    work = tmp_path / "w.jsonl"
-    work.write_text("".join(json.dumps({"turns": [f"t{3 + i} t{9 + i} t{3 + i} t{9 + i}"]}) + "\n" for i in range(2)))
-    out = tmp_path / "r.json"
-    assert bench(["--model", str(model), "--workload", str(work), "--methods", "none,ngram", "--max-tokens", "6",
-                  "--concurrency", "2", "--rounds", "3", "--json", str(out)]) == 0
-    doc = json.loads(out.read_text())
+    doc = bench_json(tmp_path, [f"t{3 + i} t{9 + i} t{3 + i} t{9 + i}" for i in range(2)], "--methods", "none,ngram",
+                     "--max-tokens", "6", "--concurrency", "2", "--rounds", "3")
     assert doc["settings"]["rounds"] == 3
     plain, ngram = doc["results"]
     assert plain["rounds"] == ngram["rounds"] == 3 and plain["num_prompts"] == 2
@@ -392,4 +393,5 @@ def test_throughput_rounds_report_medians_and_the_speedup_range(tmp_path, capsys
     assert ngram["identical_to_baseline"] == 1.0
     assert "medians of 3 rounds" in capsys.readouterr().out
     with pytest.raises(InvalidParameterError, match="rounds.*throughput mode"):
-        bench(["--model", str(model), "--workload", str(work), "--methods", "none", "--rounds", "2"])
+        bench(["--model", str(tmp_path / "m"), "--workload", str(tmp_path / "w.jsonl"), "--methods", "none",
+               "--rounds", "2"])
