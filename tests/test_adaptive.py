@@ -460,6 +460,30 @@ def test_probes_cost_at_most_their_budget_of_the_time():
     assert first_probe(20e-3) == math.ceil(20e-3 / (PROBE_BUDGET * pass_s)) > 3 / PROBE_BUDGET
 
 
+def test_many_requests_probe_together_within_one_budget():
+    """32 requests whose drafts do not pay, joining one a step (so their waits end at different
+    steps), a probing step's drafting as dear as four passes: the requests due probe in the same
+    step, and probing steps come at most once in `floor` steps however many requests wait
+    (each request's own wait alone let them probe in 32 different steps)."""
+    p = SpeculationPlanner(linear_cost(5e-3, 1e-4), max_depth=4)
+    rows = [PlanRow(f"r{i}", 10, 4) for i in range(32)]
+    for r in rows:
+        learned(p, r.request_id, 4, 0)
+    p.observe_step(PassShape(32), 8e-3, 20e-3, 1, probe=True)
+    floor = math.ceil(20e-3 / (PROBE_BUDGET * p.cost.predict(PassShape(32))))
+    steps = 2 * floor
+    probing_steps, probed = 0, set()
+    for step in range(steps):
+        joined = rows[:step + 1]
+        depths = p.plan(PassShape(len(joined)), joined).depths
+        probing_steps += any(depths)
+        for r, d in zip(joined, depths):
+            if d:
+                probed.add(r.request_id)
+                p.observe_verification(r.request_id, 1, 0)
+    assert probing_steps <= steps // floor + 1 and len(probed) == len(rows)
+
+
 def test_steps_take_exactly_the_drafts_the_planner_chose(tiny, monkeypatch):
     """Drafts live on the request: where drafting does not pay, the planner chooses no drafts
     or a probe's one, and each step takes exactly the nodes drafted (never the cap's 8 slots,
