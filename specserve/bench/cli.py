@@ -360,7 +360,6 @@ def _print_throughput_table(results, seconds: float) -> None:
           f"{' ' + 'range'.rjust(9) if ranged else ''} {'ttft p50':>9} "
           f"{'ttft p99':>9} {'tpot p50':>9} {'tpot p99':>9} {'accept':>7} {'tau':>6} {'k':>5} {'drafts':>6} {'prefix':>7} "
           f"{'identical':>9}")
-    ranged = any(r.rounds > 1 for r in results)
     for r in results:
         spread = (f" {_fmt(r.speedup_min)}-{_fmt(r.speedup_max)}" if r.speedup_min is not None else " -").rjust(10) \
             if ranged else ""

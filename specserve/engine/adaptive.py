@@ -224,8 +224,8 @@ class SpeculationPlanner:
         depths = best[1]
         # Probes cost at most PROBE_BUDGET of the passes' time (module note), all requests
         # together: the requests due probe in one step, drafted together, and the next such step
-        # comes `floor` steps later (each request's own wait would let 64 requests in flight
-        # probe 64 times as often: measured, their catch-ups took 3% of a run).
+        # comes `floor` steps later (a wait per request alone would let 64 requests in flight,
+        # their waits ending at different steps, probe in up to 64 times as many steps).
         floor = 0 if self.probe_s is None else math.ceil(self.probe_s / (PROBE_BUDGET * max(1e-9, self.cost.predict(base))))
         self.steps_since_probe += 1
         may_probe, probed = self.steps_since_probe >= floor, False

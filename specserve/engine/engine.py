@@ -421,10 +421,10 @@ class LLMEngine:
         if planned and self.planner is not None:
             # The next step's decodes, each its root. Prompt chunks are left out: their time
             # buys prompt tokens, not the committed tokens the plan counts, and a step that
-            # carries a long chunk would make every draft row look nearly free beside it (at 64
-            # in flight, Spec-Bench: drafting through the prompts' steps where a decode-only
-            # step would not, 0.91-0.96x plain over three rounds). A draft row costs about what
-            # it does in a decode-only step, and a token it saves is worth that step's share.
+            # carries a long chunk would make every draft row look nearly free beside it (EAGLE-3
+            # with suffix decoding at 64 in flight on Spec-Bench drafted through the prompts'
+            # steps: 0.91-0.96x plain over three rounds). A draft row costs about what it does in
+            # a decode-only step, and a token it saves is worth that step's share.
             base = PassShape(0)
             for s in scheduled:
                 r = s.request

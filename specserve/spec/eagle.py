@@ -38,10 +38,10 @@ from specserve.model.loader import LoadedModel
 from specserve.spec.draft_model import check_catch_up_window
 from specserve.spec.heads import Drafter
 from specserve.spec.heads.eagle_kv import DraftPass, EagleKV, FlatDraftAttention
+from specserve.spec.hybrid import SuffixFirst
 from specserve.spec.medusa import check_num_draft_nodes
 from specserve.spec.proposer import Proposer
 from specserve.spec.registry import MethodSpec
-from specserve.spec.hybrid import SuffixFirst
 from specserve.spec.suffix import SuffixProposer
 
 # Ties between a candidate and its parent (a child of probability 1 after rounding) go to the
