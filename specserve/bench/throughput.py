@@ -220,11 +220,10 @@ def measure_throughput(configs: Sequence[Config], build_engine: Callable[[Config
     prompts (their blocks hash apart from the real ones, so the warm-up leaves nothing in the
     prefix cache that the measured run could hit)."""
     runs: list[ConcurrentRun] = []
-    for ci, c in ((ci, c) for _ in range(rounds) for ci, c in enumerate(concurrencies)):
+    for c in list(concurrencies) * rounds:
         found: dict[int, ConcurrentRun] = {}
-        shift = ci + len(runs) // max(1, len(configs) * len(concurrencies))  # + the round
         for j in range(len(configs)):
-            idx = (shift + j) % len(configs)
+            idx = (len(runs) // len(configs) + j) % len(configs)  # one step on per concurrency and round
             config = configs[idx]
             engine = build_engine(config, c)
             warm = [list(reversed(p)) for p in prompts[:min(c, len(prompts))]]

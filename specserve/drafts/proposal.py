@@ -49,6 +49,11 @@ class SpecRequest:
         if self.max_nodes is None:
             self.max_nodes = self.num_speculative_tokens
 
+    @property
+    def wants_tree(self) -> bool:
+        """Whether a tree proposer drafts for this request this step (room for a node and a depth)."""
+        return self.num_speculative_tokens > 0 and self.max_nodes > 0
+
 
 @dataclass(slots=True)
 class DraftProposal:

@@ -154,7 +154,7 @@ class FeatureTreeProposer(Proposer):
         depth = max((r.num_speculative_tokens for r in batch), default=0)
         begun = []
         for i, r in enumerate(batch):
-            if r.num_speculative_tokens < 1 or r.max_nodes < 1:
+            if not r.wants_tree:
                 continue
             # Every request reserves the deepest growth of the batch, which runs for all rows.
             got = self.kv.begin(r.request_id, len(r.token_ids), (depth - 1) * self.topk, self.catch_up_window)
@@ -166,7 +166,7 @@ class FeatureTreeProposer(Proposer):
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
         trees = [DraftTree.empty() for _ in batch]
         if self.suffix is not None:
-            asking = sum(r.num_speculative_tokens > 0 and r.max_nodes > 0 for r in batch)
+            asking = sum(r.wants_tree for r in batch)
             batch, taken = self.suffix.split(batch, trees)
             self.times.suffix_drafts += taken
             self.times.drafter_drafts += asking - taken

@@ -96,7 +96,7 @@ class SuffixFirst:
         that every index stays the batch's; how many took one)."""
         rest, taken = list(batch), 0
         for i, r in enumerate(batch):
-            if r.num_speculative_tokens < 1 or r.max_nodes < 1:
+            if not r.wants_tree:
                 continue
             tree, expected = self.suffix.draft(r)
             if self.threshold is not None:

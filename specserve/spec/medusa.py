@@ -51,7 +51,7 @@ class MedusaProposer(Proposer):
     @torch.inference_mode()
     def propose(self, batch: list[SpecRequest]) -> DraftTreeProposal:
         trees = [DraftTree.empty() for _ in batch]
-        rows = [i for i, r in enumerate(batch) if r.num_speculative_tokens > 0 and r.max_nodes > 0
+        rows = [i for i, r in enumerate(batch) if r.wants_tree
                 and self.last.get(r.request_id, (-1,))[0] == len(r.token_ids) - 2]
         if not rows:
             return DraftTreeProposal(trees)
