@@ -1,5 +1,6 @@
 """processed_probs and the sampler: each filter on hand-built logits, the filters combined, greedy
-rows, batch mixes, an independent per-row oracle, seeded reproducibility and batch independence."""
+rows, batch mixes, an independent per-row oracle, seeded reproducibility and batch independence;
+the noise's stream against its definition, and the native race against the full one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import math
 import pytest
 import torch
 
+from specserve import hardware, native
 from specserve.sample import PositionNoise, SamplingTensors, argmax_rows, processed_probs, sample, verify
+from specserve.sample import sampler
+from specserve.sample.noise import signed64, stream_bits, stream_exponentials
+from specserve.sample.sampler import race, race_rows
 from specserve.sampling_params import SamplingParams as SP
 
 P4 = torch.tensor([0.5, 0.3, 0.15, 0.05])
@@ -183,7 +188,7 @@ def test_position_noise_depends_on_seed_and_position_only():
     assert torch.equal(a.exponentials(5, 16, "cpu"), b.exponentials(5, 16, "cpu"))
     assert not torch.equal(a.exponentials(5, 16, "cpu"), a.exponentials(6, 16, "cpu"))
     assert not torch.equal(a.exponentials(5, 16, "cpu"), PositionNoise(8).exponentials(5, 16, "cpu"))
-    # The largest seeds and positions stay inside manual_seed's range.
+    # The largest seeds and positions give keys inside the 64-bit words.
     assert PositionNoise(2**63 - 1).exponentials(2**40, 4, "cpu").min() > 0
 
 
@@ -286,3 +291,78 @@ def test_argmax_rows_is_torch_argmax_ties_and_nans_included():
     want = logits.argmax(-1).tolist()
     assert argmax_rows(logits) == want == [want[0], 7, 3, 0, 100, want[5]]
     assert argmax_rows(logits.bfloat16()) == logits.bfloat16().argmax(-1).tolist()
+
+
+# ---- the stream and the native race ---------------------------------------------------------
+
+
+def splitmix_stream(key: int, n: int) -> list[int]:
+    """The definition in plain Python integers: token i's 53 bits of the splitmix64 stream."""
+    mask, out = (1 << 64) - 1, []
+    for i in range(n):
+        z = (key + (i + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        out.append((z ^ (z >> 31)) >> 11)
+    return out
+
+
+def test_stream_is_splitmix64_in_torch_integers():
+    for key in (0, 1, 2**63 - 1, 2**63, 2**64 - 1, PositionNoise(5).key(9)):
+        assert stream_bits(key, 300, "cpu").tolist() == splitmix_stream(key, 300)
+    e = PositionNoise(5).exponentials(9, 300, "cpu")
+    assert torch.equal(e, -(torch.tensor(splitmix_stream(PositionNoise(5).key(9), 300), dtype=torch.float64)
+                            * 2.0**-53).log())
+
+
+def race_cases() -> list[torch.Tensor]:
+    """Rows the race must get right: peaked and flat, with zeros, ties, one token, odd widths."""
+    gen = torch.Generator().manual_seed(6)
+    rows = [torch.softmax(torch.randn(4, 5003, generator=gen) * 3 / t, -1) for t in (0.2, 0.7, 1.5, 50.0)]
+    tied = torch.zeros(3, 37)
+    tied[:, [3, 9, 30]] = 1 / 3  # equal probabilities: the noise alone decides
+    one_hot = torch.nn.functional.one_hot(torch.tensor([0, 6, 12]), 13).float()
+    top_k = torch.softmax(torch.randn(2, 1000, generator=gen), -1)
+    top_k[top_k < top_k.topk(5, -1).values[:, -1:]] = 0  # a filter's zeros
+    return [*rows, tied, one_hot, top_k, torch.full((2, 7), 1 / 7), torch.ones(1, 1)]
+
+
+@pytest.mark.skipif(native.load() is None, reason="native kernels unavailable")
+def test_native_race_is_the_full_race_at_every_level():
+    """The native race scores only the tokens that could win; its winner must be the full race's
+    (every token's exponential, in torch) at every level this machine runs."""
+    levels = sorted({0, min(2, hardware.native_level()), hardware.native_level()})
+    for probs in race_cases():
+        for first in range(0, 40, 8):
+            keys = [PositionNoise(first + b).key(first) for b in range(probs.shape[0])]
+            full = race(probs, torch.stack([stream_exponentials(k, probs.shape[1], "cpu") for k in keys]))
+            keys_t = torch.tensor([signed64(k) for k in keys])
+            for level in levels:
+                assert torch.equal(native.load().race(level, probs, keys_t), full), (level, probs.shape)
+
+
+def test_race_without_native_kernels_is_the_same(monkeypatch):
+    probs = race_cases()[1]
+    noise_ = noise(range(4))
+    native_or_not = race_rows(probs, [False] * 4, noise_, [3] * 4)
+    monkeypatch.setattr(sampler, "_native_race_level", lambda probs: None)
+    assert torch.equal(race_rows(probs, [False] * 4, noise_, [3] * 4), native_or_not)
+
+
+def test_seeded_frequencies_match_the_distribution():
+    """Each seed's race over a 5,000-token distribution: token counts over 20,000 seeds fit p
+    (chi-square over the tokens expected 20+ times, the rest pooled)."""
+    gen = torch.Generator().manual_seed(9)
+    p = torch.softmax(torch.randn(5000, generator=gen) * 2.5, -1)
+    n = 20_000
+    tokens = race_rows(p.expand(n, -1), [False] * n, noise(range(n)), [17] * n)
+    counts = torch.bincount(tokens, minlength=5000).double()
+    expected = p.double() * n
+    big = expected >= 20
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    dof = int(big.sum())
+    pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                           torch.tensor(chi2 / 2, dtype=torch.float64)))
+    assert pvalue > 1e-3, (chi2, dof, pvalue)

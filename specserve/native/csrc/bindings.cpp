@@ -6,6 +6,7 @@
 #include "common.h"
 #include "layer_ops_py.inc"
 #include "qgemm_py.inc"
+#include "race_py.inc"
 
 namespace specserve {
 void register_model(pybind11::module_& m);
@@ -40,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("top_level", &top_level, "the highest CPU level this process may run (AMX: if Linux grants the tiles)");
   specserve::register_gemm(m);
   specserve::register_layer_ops(m);
+  specserve::register_race(m);
   specserve::register_model(m);
   specserve::register_eagle3(m);
 }
