@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specserve.sample import PositionNoise, SamplingTensors, reference_tree_verify, sample, tree_verify, verify
+from specserve.sample.tree_verifier import verify_flat
 from specserve.sampling_params import SamplingParams as SP
 from specserve.drafts.tree import DraftTree
 
@@ -112,6 +113,30 @@ def test_tree_verifier_agrees_with_the_reference():
             assert [trees[b].token_ids[c] for c in out.accepted_nodes[b]] == ref[b][:-1]
             accepted += a
     assert accepted > 50  # the trees do get accepted, at several depths
+
+
+def test_flat_verification_is_tree_verification():
+    """verify_flat on a flattened pass (rows without drafts among them, which it samples in one
+    batch) emits what tree_verify emits on the padded logits, row for row."""
+    rng, vocab, rows, max_nodes = random.Random(4), 6, 40, 6
+    g = torch.Generator().manual_seed(4)
+    params = [PARAMS[b % len(PARAMS)] for b in range(rows)]
+    st = SamplingTensors.from_params(params, "cpu")
+    for trial in range(4):
+        trees = [random_tree(rng, vocab, max_nodes) if b % 3 else DraftTree.empty() for b in range(rows)]
+        width = 1 + max(t.num_nodes for t in trees)
+        logits = torch.randn(rows, width, vocab, generator=g) * 1.5
+        flat = torch.cat([logits[b, : 1 + t.num_nodes] for b, t in enumerate(trees)])
+        starts = [0]
+        for t in trees:
+            starts.append(starts[-1] + 1 + t.num_nodes)
+        positions = [rng.randrange(1000) for _ in range(rows)]
+        out = verify_flat(trees, flat, starts, params, noises(rows, 50 * trial), positions)
+        want = tree_verify(trees, logits, st, noises(rows, 50 * trial), positions)
+        for b in range(rows):
+            a = int(want.num_accepted[b])
+            assert out.token_ids[b] == want.output_token_ids[b, : a + 1].tolist()
+            assert out.accepted_nodes[b] == want.accepted_nodes[b]
 
 
 def test_sampled_tree_emits_plain_samplings_tokens_along_its_path():

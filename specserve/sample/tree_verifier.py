@@ -27,7 +27,7 @@ import torch
 
 from specserve.sample.logits import SamplingTensors, argmax_rows, processed_probs
 from specserve.sample.noise import PositionNoise
-from specserve.sample.sampler import race_rows
+from specserve.sample.sampler import race_rows, sample
 from specserve.sample.typical import TypicalAcceptance, verify_sampled_typical
 from specserve.drafts.tree import DraftTree
 from specserve.sampling_params import SamplingParams
@@ -115,6 +115,17 @@ def verify_flat(trees: list[DraftTree], logits: torch.Tensor, logit_start: list[
             paths[b] = tree.longest_path(lambda c, parent, tree=tree, off=off: tree.token_ids[c] == argmax[off + parent])
             emitted[b] = argmax[off + (paths[b][-1] + 1 if paths[b] else 0)]
     sampled = [b for b in range(rows) if not params[b].greedy]
+    # Sampled rows without drafts (a plain step, a prompt's last token, a request whose drafts
+    # the planner turned off): each emits the race at its root, which is plain sampling's, in
+    # one batch without the tree walk's index tensors (~0.15 ms of a ~5.5 ms step alone).
+    bare = [b for b in sampled if trees[b].num_nodes == 0] if typical is None else []
+    if bare:
+        st = SamplingTensors.from_params([params[b] for b in bare], logits.device)
+        won = sample(logits[[logit_start[b] for b in bare]], st, [noise[b] for b in bare],
+                     [positions[b] for b in bare]).tolist()
+        for b, y in zip(bare, won):
+            emitted[b] = y
+        sampled = [b for b in sampled if trees[b].num_nodes > 0]
     if sampled:
         width = 1 + max(trees[b].num_nodes for b in sampled)
         # Past a tree's own nodes a row repeats its root's logits (never read).
