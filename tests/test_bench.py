@@ -395,3 +395,16 @@ def test_throughput_rounds_report_medians_and_the_speedup_range(tmp_path, capsys
     with pytest.raises(InvalidParameterError, match="rounds.*throughput mode"):
         bench(["--model", str(tmp_path / "m"), "--workload", str(tmp_path / "w.jsonl"), "--methods", "none",
                "--rounds", "2"])
+
+
+def test_bench_serve_level_prompts():
+    from specserve.bench.serve_load import level_prompts
+
+    pool = [f"p{i}" for i in range(7)]
+    assert level_prompts(pool, 3, 2, distinct=False) == [["p0", "p1", "p2"]] * 2
+    assert level_prompts(pool, 9, 1, distinct=False) == [pool + ["p0", "p1"]]  # cycled
+    assert level_prompts(pool, 3, 2, distinct=True) == [["p0", "p1", "p2"], ["p3", "p4", "p5"]]
+    with pytest.raises(InvalidParameterError, match="needs 9 prompts"):
+        level_prompts(pool, 3, 3, distinct=True)
+    with pytest.raises(InvalidParameterError, match="at least one prompt"):
+        level_prompts([], 3, 1, distinct=False)

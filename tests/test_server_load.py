@@ -111,6 +111,14 @@ def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
     assert figures["client_cpu_ms_per_token"] > 0  # the client's own event loop, per token
     out = capsys.readouterr().out
     assert "req/s" in out and "client CPU" in out
+    # Each level its own prompts: 2 levels x 4 requests from the 10 prompts.
+    code = main(["bench-serve", "--url", server.url, "--concurrency", "1,4", "--num-requests", "4", "--no-stream",
+                 "--workload", str(workload), "--max-tokens", "4", "--distinct-prompts", "--json", str(out_json)])
+    doc = json.loads(out_json.read_text())
+    assert code == 0 and doc["distinct_prompts"] is True and [r["num_requests"] for r in doc["runs"]] == [4, 4]
+    assert main(["bench-serve", "--url", server.url, "--concurrency", "1,4", "--num-requests", "6",
+                 "--workload", str(workload), "--distinct-prompts"]) == 2
+    assert "needs 12 prompts" in capsys.readouterr().err
     # Whole responses: the same requests and tokens, no per-token timings.
     code = main(["bench-serve", "--url", server.url, "--concurrency", "4", "--num-requests", "8", "--no-stream",
                  "--workload", str(workload), "--max-tokens", "12", "--json", str(out_json)])
@@ -145,6 +153,7 @@ def test_bench_serve_compares_servers_side_by_side_at_each_level(server, tiny, t
     assert table[0].split()[:4] == ["server", "conc", "tok/s", "ratio"] and table[0].endswith("client ms/tok")
     assert [line.split()[0] for line in table[1:]] == ["one", "again", "started"] * 2
     assert table[1].split()[3] == "1.00x"
+    assert json.loads(out_json.read_text())["distinct_prompts"] is False
     started_url = next(r["url"] for r in runs if r["server"] == "started")
     with pytest.raises(httpx.HTTPError):  # stopped when done
         httpx.get(f"{started_url}/v1/models", timeout=2)

@@ -9,8 +9,10 @@ with tokens counted from the server's usage figures (stream_options.include_usag
 Several servers side by side: `--url` is the first (named by --name), each `--peer NAME=URL`
 another running one, and each `--peer-command NAME=CMD` one this command starts (CMD with
 `{port}` for the port it should listen on: llama-server, vLLM, a second specserve) and stops
-when done. Every server gets the same prompts at each concurrency of the `--concurrency` list,
-servers taking turns in alternating order at each level (the machine's drift falls on both), and
+when done. Every server gets the same prompts at each concurrency of the `--concurrency` list
+(with `--distinct-prompts`, each level prompts of its own, so that what a server kept from an
+earlier level, its prefix cache or suffix decoding's tree of earlier answers, cannot replay
+them), servers taking turns in alternating order at each level (the machine's drift falls on both), and
 one table compares them, with each server's output tokens/s as a ratio of the first's.
 """
 
@@ -60,6 +62,10 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-stream", action="store_true",
                    help="ask for whole responses (stream false): latency and tokens/s only, no TTFT or TPOT")
+    p.add_argument("--distinct-prompts", action="store_true",
+                   help="each concurrency level sends prompts of its own (the workload's next --num-requests), not "
+                        "the same ones again: a server's prefix cache and suffix decoding's tree of earlier answers "
+                        "then cannot replay an earlier level's")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -290,6 +296,22 @@ def _model_of(server: Server, asked: str | None, headers: dict) -> str:
     return asked or models[0]["id"]
 
 
+def level_prompts(pool: list[str], num_requests: int, num_levels: int, distinct: bool) -> list[list[str]]:
+    """Each level's prompts: the pool's first num_requests (cycled) at every level, or with
+    `distinct` level i's own slice [i * num_requests, (i + 1) * num_requests) of it, which the
+    pool must be long enough to give."""
+    if not pool:
+        raise InvalidParameterError("workload", 0, "must hold at least one prompt")
+    if not distinct:
+        return [[pool[i % len(pool)] for i in range(num_requests)]] * num_levels
+    if len(pool) < num_requests * num_levels:
+        raise InvalidParameterError("distinct-prompts", len(pool),
+                                    f"needs {num_requests * num_levels} prompts in the workload ({num_requests} "
+                                    f"requests at each of {num_levels} levels); it has {len(pool)}: fewer "
+                                    f"--num-requests or levels, or a larger workload")
+    return [pool[i * num_requests:(i + 1) * num_requests] for i in range(num_levels)]
+
+
 def run_bench_serve(args) -> int:
     levels = parse_levels(args.concurrency)
     if args.num_requests < 1 or args.max_tokens < 1:
@@ -302,7 +324,7 @@ def run_bench_serve(args) -> int:
         raise InvalidParameterError("peer", names, "each server needs a name of its own")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     pool = [p.text for p in select(load_workload(args.workload, args.field), Selection.from_text(args.categories, None, None))]
-    prompts = [pool[i % len(pool)] for i in range(args.num_requests)]
+    prompts = level_prompts(pool, args.num_requests, len(levels), args.distinct_prompts)
     kind = "whole (not streamed)" if args.no_stream else "streaming"
     runs: list[LoadFigures] = []
     failures: list[str] = []
@@ -315,7 +337,7 @@ def run_bench_serve(args) -> int:
               f"max_tokens {args.max_tokens}, temperature {args.temperature}", file=sys.stderr)
         for i, level in enumerate(levels):
             for s in (servers if i % 2 == 0 else servers[::-1]):  # alternated: drift falls on every server
-                timings, wall, cpu = asyncio.run(run_load(s.url, s.model, prompts, level, args.max_tokens,
+                timings, wall, cpu = asyncio.run(run_load(s.url, s.model, prompts[i], level, args.max_tokens,
                                                           args.temperature, args.api_key, stream=not args.no_stream))
                 figures = summarise(s.url, level, timings, wall, s.name, cpu)
                 runs.append(figures)
@@ -330,5 +352,5 @@ def run_bench_serve(args) -> int:
         print(f"  failed: {f}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": [asdict(r) for r in runs]}, f, indent=2)
+            json.dump({"runs": [asdict(r) for r in runs], "distinct_prompts": args.distinct_prompts}, f, indent=2)
     return 0 if all(r.num_failed == 0 for r in runs) else 1
