@@ -403,7 +403,10 @@ def test_bench_serve_level_prompts():
     pool = [f"p{i}" for i in range(7)]
     assert level_prompts(pool, 3, 2, distinct=False) == [["p0", "p1", "p2"]] * 2
     assert level_prompts(pool, 9, 1, distinct=False) == [pool + ["p0", "p1"]]  # cycled
-    assert level_prompts(pool, 3, 2, distinct=True) == [["p0", "p1", "p2"], ["p3", "p4", "p5"]]
+    # Strided over the whole pool: each level samples all of it (a workload stored category by
+    # category gives every level the same mix).
+    assert level_prompts(pool, 3, 2, distinct=True) == [["p0", "p2", "p4"], ["p1", "p3", "p5"]]
+    assert level_prompts(pool, 2, 3, distinct=True) == [["p0", "p3"], ["p1", "p4"], ["p2", "p5"]]
     with pytest.raises(InvalidParameterError, match="needs 9 prompts"):
         level_prompts(pool, 3, 3, distinct=True)
     with pytest.raises(InvalidParameterError, match="at least one prompt"):

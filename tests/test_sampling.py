@@ -11,6 +11,7 @@ import torch
 
 from specserve import hardware, native
 from specserve.sample import PositionNoise, SamplingTensors, argmax_rows, processed_probs, sample, verify
+from specserve.sample import logits as logits_module
 from specserve.sample import sampler
 from specserve.sample.noise import signed64, stream_bits, stream_exponentials
 from specserve.sample.sampler import race, race_rows
@@ -366,3 +367,29 @@ def test_seeded_frequencies_match_the_distribution():
     pvalue = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                            torch.tensor(chi2 / 2, dtype=torch.float64)))
     assert pvalue > 1e-3, (chi2, dof, pvalue)
+
+
+def full_sort_top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The definition: the whole row sorted, the first token at which the mass reaches top_p."""
+    ordered = probs.sort(dim=-1, descending=True).values
+    before = (ordered.cumsum(-1) < top_p).sum(-1, keepdim=True).clamp(max=probs.shape[-1] - 1)
+    return torch.where(top_p >= 1.0, 0.0, ordered.gather(-1, before))
+
+
+@pytest.mark.parametrize("widths", [logits_module.TOP_P_WIDTHS, (2, 16), ()])
+def test_top_p_from_partial_sorts_is_the_full_sorts(monkeypatch, widths):
+    """top-p's boundary from each row's most probable K tokens (growing K, then the whole row)
+    is the full sort's bit for bit: peaked and flat rows, ties, zeros, top_p from 0.01 to 1."""
+    monkeypatch.setattr(logits_module, "TOP_P_WIDTHS", widths)
+    g = torch.Generator().manual_seed(0)
+    for vocab in (7, 100, 3000):
+        for scale in (0.1, 1.0, 3.0, 8.0):
+            for top_p in (0.01, 0.5, 0.9, 0.999, 0.9999999, 1.0):
+                x = torch.softmax(torch.randn(5, vocab, generator=g) * scale, -1)
+                tied = torch.round(x[1] * 50) / 50  # ties (and zeros)
+                if tied.sum() > 0:
+                    x[1] = tied / tied.sum()
+                x[2, vocab // 2:] = 0  # a filter's zeros
+                x[2] = x[2] / x[2].sum()
+                p = torch.tensor([[top_p], [top_p], [top_p], [1.0], [top_p / 2]])
+                assert torch.equal(logits_module._top_p_threshold(x, p), full_sort_top_p_threshold(x, p))

@@ -63,9 +63,9 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--no-stream", action="store_true",
                    help="ask for whole responses (stream false): latency and tokens/s only, no TTFT or TPOT")
     p.add_argument("--distinct-prompts", action="store_true",
-                   help="each concurrency level sends prompts of its own (the workload's next --num-requests), not "
-                        "the same ones again: a server's prefix cache and suffix decoding's tree of earlier answers "
-                        "then cannot replay an earlier level's")
+                   help="each concurrency level sends prompts of its own (strided over the whole workload, so every "
+                        "level gets its mix), not the same ones again: a server's prefix cache and suffix decoding's "
+                        "tree of earlier answers then cannot replay an earlier level's")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
 
 
@@ -298,8 +298,9 @@ def _model_of(server: Server, asked: str | None, headers: dict) -> str:
 
 def level_prompts(pool: list[str], num_requests: int, num_levels: int, distinct: bool) -> list[list[str]]:
     """Each level's prompts: the pool's first num_requests (cycled) at every level, or with
-    `distinct` level i's own slice [i * num_requests, (i + 1) * num_requests) of it, which the
-    pool must be long enough to give."""
+    `distinct` prompts of each level's own, every num_levels-th of the pool from the level's
+    index on (a workload stored category by category, as Spec-Bench is, gives every level the
+    same mix rather than one level the long summaries), which the pool must be long enough to give."""
     if not pool:
         raise InvalidParameterError("workload", 0, "must hold at least one prompt")
     if not distinct:
@@ -309,7 +310,8 @@ def level_prompts(pool: list[str], num_requests: int, num_levels: int, distinct:
                                     f"needs {num_requests * num_levels} prompts in the workload ({num_requests} "
                                     f"requests at each of {num_levels} levels); it has {len(pool)}: fewer "
                                     f"--num-requests or levels, or a larger workload")
-    return [pool[i * num_requests:(i + 1) * num_requests] for i in range(num_levels)]
+    stride = len(pool) // num_requests  # >= num_levels
+    return [[pool[j * stride + i] for j in range(num_requests)] for i in range(num_levels)]
 
 
 def run_bench_serve(args) -> int:

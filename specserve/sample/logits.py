@@ -139,14 +139,35 @@ def _top_k_keep(x: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.T
     return (x >= kth) | (k == 0)
 
 
+# Widths of the partial sorts top-p tries before a full one (module-level for the tests): a
+# row's boundary lies among its K most probable tokens as soon as their mass reaches top_p,
+# which at usual temperatures 128 or 2,048 of them do. A 49k-token row: topk 128 ~0.05 ms,
+# 2,048 ~0.2 ms, a full sort ~3.4 ms (the 2-core Zen 4).
+TOP_P_WIDTHS = (128, 2048)
+
+
 def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs [N, V], top_p [N, 1] -> [N, 1] smallest probability to keep (0 where top_p is 1).
 
     The boundary token is the first, most probable first, at which the cumulative mass reaches
     top_p; if rounding keeps the sum just below top_p the last token is the boundary.
+
+    Computed from each row's K most probable tokens where their cumulative mass already
+    reaches top_p (K from TOP_P_WIDTHS, then the whole row): the cumulative sums never fall and
+    the first K of them are the full sort's first K, so the boundary and its probability are
+    the full sort's, bit for bit.
     """
     vocab = probs.shape[-1]
-    ordered = probs.sort(dim=-1, descending=True).values  # [N, V]
-    before = (ordered.cumsum(-1) < top_p).sum(-1, keepdim=True).clamp(max=vocab - 1)
-    # top_p == 1 keeps everything: a cumulative sum that rounds up to 1 early must not cut the tail.
-    return torch.where(top_p >= 1.0, 0.0, ordered.gather(-1, before))
+    out = torch.zeros_like(top_p, dtype=probs.dtype)
+    todo = (top_p < 1.0).view(-1).nonzero().view(-1)  # top_p == 1 keeps everything: threshold 0
+    for k in (*[w for w in TOP_P_WIDTHS if w < vocab], vocab):
+        if todo.numel() == 0:
+            break
+        sub, p = probs.index_select(0, todo), top_p.index_select(0, todo)
+        ordered = sub.topk(k, dim=-1).values if k < vocab else sub.sort(dim=-1, descending=True).values  # [n, k]
+        mass = ordered.cumsum(-1)
+        done = (mass[:, -1:] >= p).view(-1) if k < vocab else torch.ones_like(todo, dtype=torch.bool)
+        before = (mass < p).sum(-1, keepdim=True).clamp(max=k - 1)
+        out.index_copy_(0, todo[done], ordered.gather(-1, before)[done])
+        todo = todo[~done]
+    return out
