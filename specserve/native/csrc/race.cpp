@@ -12,9 +12,6 @@ double race_score(float p, uint64_t k) {
 
 namespace {
 
-// 1 - u for the 53 bits k: exact (2^53 - k is an integer of at most 53 bits).
-inline double one_minus_u(uint64_t k) { return static_cast<double>((1ull << 53) - k) * 0x1p-53; }
-
 int64_t race_top_generic(const float* p, int64_t v) {
   int64_t top = 0;
   for (int64_t i = 1; i < v; ++i)
@@ -27,7 +24,7 @@ void race_scan_generic(const float* p, int64_t v, uint64_t key, int64_t skip, Ra
   for (int64_t i = 0; i < v; ++i) {
     if (i == skip) continue;
     const uint64_t k = race_bits(key, i);
-    if (static_cast<double>(p[i]) > threshold * one_minus_u(k)) {
+    if (static_cast<double>(p[i]) > threshold * race_one_minus_u(k)) {
       race_consider(p, key, i, best);
       threshold = race_threshold(best.score);
     }

@@ -36,6 +36,9 @@ inline uint64_t race_bits(uint64_t key, int64_t i) {
   return race_mix(key + static_cast<uint64_t>(i + 1) * kRaceGamma) >> 11;
 }
 
+// 1 - u for the 53 bits k: exact (2^53 - k is an integer of at most 53 bits).
+inline double race_one_minus_u(uint64_t k) { return static_cast<double>((1ull << 53) - k) * 0x1p-53; }
+
 // p / -log(k * 2^-53) in float64: the exact score (0 where k is 0: E is infinite).
 double race_score(float p, uint64_t k);
 

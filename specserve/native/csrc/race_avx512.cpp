@@ -64,9 +64,8 @@ void race_scan(const float* p, int64_t v, uint64_t key, int64_t skip, RaceBest& 
   }
   for (; i < v; ++i) {
     if (i == skip) continue;
-    const uint64_t k = race_bits(key, i);
-    const double one_minus_u = static_cast<double>((1ull << 53) - k) * 0x1p-53;
-    if (static_cast<double>(p[i]) > race_threshold(best.score) * one_minus_u) race_consider(p, key, i, best);
+    if (static_cast<double>(p[i]) > race_threshold(best.score) * race_one_minus_u(race_bits(key, i)))
+      race_consider(p, key, i, best);
   }
 }
 
