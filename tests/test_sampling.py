@@ -346,8 +346,13 @@ def test_race_without_native_kernels_is_the_same(monkeypatch):
     probs = race_cases()[1]
     noise_ = noise(range(4))
     native_or_not = race_rows(probs, [False] * 4, noise_, [3] * 4)
+    # A mixed batch: a greedy row takes its argmax, the others their own races.
+    greedy = [False, True, False, False]
+    mixed = race_rows(probs, greedy, noise_, [3] * 4)
+    assert int(mixed[1]) == int(probs[1].argmax()) and torch.equal(mixed[[0, 2, 3]], native_or_not[[0, 2, 3]])
     monkeypatch.setattr(sampler, "_native_race_level", lambda probs: None)
     assert torch.equal(race_rows(probs, [False] * 4, noise_, [3] * 4), native_or_not)
+    assert torch.equal(race_rows(probs, greedy, noise_, [3] * 4), mixed)
 
 
 def test_seeded_frequencies_match_the_distribution():

@@ -23,7 +23,7 @@ import torch
 from specserve import native
 from specserve.hardware import native_level
 from specserve.sample.logits import SamplingTensors, processed_probs
-from specserve.sample.noise import PositionNoise, draw_exponentials, signed64, stream_exponentials
+from specserve.sample.noise import PositionNoise, draw_exponentials, signed64
 
 
 def race(weights: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
@@ -35,30 +35,29 @@ def race_rows(probs: torch.Tensor, greedy_rows: Sequence[bool], noise: Sequence[
               positions: Sequence[int]) -> torch.Tensor:
     """probs [B, V] processed (one-hot on greedy rows) -> [B] int64: the race of row b at
     sequence position positions[b]. Greedy rows draw nothing: their one-hot's argmax is the
-    race's winner against any noise."""
+    race's winner against any noise. Rows with their own noise race natively where they can
+    (the few tokens that can win, exactly: native/csrc/race.h); the others against every
+    token's exponential (draw_exponentials)."""
     rows, vocab = probs.shape
-    keyed = [b for b in range(rows) if not greedy_rows[b] and noise[b] is not None]
-    shared = [b for b in range(rows) if not greedy_rows[b] and noise[b] is None]
-    if len(keyed) == rows:  # the usual call: every row sampled with its own noise, no copies
-        return _race_keyed(probs, [noise[b].key(positions[b]) for b in keyed])
-    out = probs.argmax(-1)
-    if keyed:
-        out[keyed] = _race_keyed(probs[keyed], [noise[b].key(positions[b]) for b in keyed])
-    if shared:
-        out[shared] = race(probs[shared], draw_exponentials([None] * len(shared), [0] * len(shared), vocab,
-                                                            probs.device))
+    sampled = [b for b in range(rows) if not greedy_rows[b]]
+    level = _native_race_level(probs)
+    native_rows = [b for b in sampled if noise[b] is not None] if level is not None else []
+    if len(native_rows) == rows:  # the usual call on the CPU: no copies
+        return _native_race(level, probs, [noise[b].key(positions[b]) for b in native_rows])
+    out = probs.argmax(-1) if len(sampled) < rows else torch.empty(rows, dtype=torch.long, device=probs.device)
+    if native_rows:
+        out[native_rows] = _native_race(level, probs[native_rows], [noise[b].key(positions[b]) for b in native_rows])
+    native_set = set(native_rows)
+    drawn = [b for b in sampled if b not in native_set]
+    if drawn:
+        out[drawn] = race(probs[drawn], draw_exponentials([noise[b] for b in drawn], [positions[b] for b in drawn],
+                                                          vocab, probs.device))
     return out
 
 
-def _race_keyed(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """probs [B, V], keys [B] (PositionNoise.key) -> [B] int64: each row's race with the noise
-    of its stream: natively where it can (the few tokens that can win, exactly: native/csrc/race.h),
-    else every token's exponential in torch."""
-    level = _native_race_level(probs)
-    if level is None:
-        return race(probs, torch.stack([stream_exponentials(k, probs.shape[1], probs.device) for k in keys]))
-    keys_t = torch.tensor([signed64(k) for k in keys], dtype=torch.int64)
-    return native.load().race(level, probs, keys_t)
+def _native_race(level: int, probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """probs [B, V] float32 on the CPU, keys [B] (PositionNoise.key) -> [B] int64 winners."""
+    return native.load().race(level, probs, torch.tensor([signed64(k) for k in keys], dtype=torch.int64))
 
 
 def _native_race_level(probs: torch.Tensor) -> int | None:
