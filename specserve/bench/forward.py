@@ -28,6 +28,7 @@ import torch
 
 from specserve.bench.llama_bench import find_llama_bench, llama_bench_ms, read_bandwidth_gbs, weight_bytes
 from specserve.drafts.tree import DraftTree
+from specserve.model import hugepages
 from specserve.model.runner import ForwardBatch, ModelRunner
 from specserve.hardware import Isa, machine, native_level
 from specserve.model.loader import load_model
@@ -96,7 +97,8 @@ def main() -> None:
             ap.error("--peer llama.cpp needs llama-bench (on the PATH or --llama-bench) and a .gguf --model")
     bandwidth = read_bandwidth_gbs()
     print(f"# measured read bandwidth {bandwidth:.1f} GB/s ({torch.get_num_threads()} threads, a 1 GiB sum)")
-    print(f"# {m.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, device {args.device}, "
+    print(f"# {m.describe()}, {hugepages.describe()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"device {args.device}, "
           f"model {args.model}, median of {args.rounds} rounds; T tokens per pass with logits at "
           f"{'the last' if args.prompt else 'each'}{', as binary draft trees' if args.tree else ''}")
     head = f"{'path':<34}{'context':>8}" + "".join(f"{f'T={t} ms':>10}" for t in args.sizes)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.model.hugepages import HugeArena
+
 # Token-generation passes llama-bench times per repetition at T = 1.
 TG_TOKENS = 32
 
@@ -63,8 +65,10 @@ def _killed(returncode: int) -> bool:
 def read_bandwidth_gbs(size_mib: int = 1024, rounds: int = 5) -> float:
     """Streaming read bandwidth with torch's threads (GB/s, the best of `rounds`): a sum over a
     buffer far larger than any cache, which reads every byte once per round."""
-    buf = torch.ones(size_mib * 2**20 // 4, dtype=torch.float32)
-    buf.sum()  # pages touched before timing
+    # The pages the weights live in (model/hugepages.py), so that a pass's fraction of this
+    # compares like with like.
+    buf = HugeArena().zeros((size_mib * 2**20 // 4,), torch.float32)
+    buf.fill_(1.0)  # pages touched before timing
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()

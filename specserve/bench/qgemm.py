@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from specserve.hardware import machine, native_level
+from specserve.model import hugepages
+from specserve.model.hugepages import HugeArena
 from specserve.model.native_llama import QUANT_FORMATS, Blocks, as_blocks
 
 
@@ -109,12 +111,13 @@ def main(argv: list[str] | None = None) -> None:
     fmt, raw = blocks.format, torch.from_numpy(np.ascontiguousarray(blocks.raw))
     level = int(native_level())
     threads = torch.get_num_threads()
-    print(f"# {machine().describe()}, {threads} threads, {name} [{args.rows} x {args.cols}], "
+    print(f"# {machine().describe()}, {hugepages.describe()}, {threads} threads, {name} [{args.rows} x {args.cols}], "
           f"median of {args.rounds} rounds")
     print(f"{'copies':>7}{'MB':>8}{'T':>5}{'ms':>10}{'GMAC/s':>9}{'GB/s':>8}{'ratio':>7}"
           + (f"{'cyc/unit-row':>14}" if args.ghz else ""))
     for copies in args.copies:
-        units = [ext.repack(int(fmt), raw, args.cols) for _ in range(copies)]
+        arena = HugeArena()  # where the engine keeps its units (model/hugepages.py)
+        units = [arena.hold(ext.repack(int(fmt), raw, args.cols)) for _ in range(copies)]
         nbytes = units[0].numel()
         med = product_times(ext, level, int(fmt), units, args.rows, args.cols, args.sizes, args.rounds)
         first = med[args.sizes[0]]

@@ -31,6 +31,7 @@ from torch import nn
 from specserve.errors import ModelLoadError
 from specserve.model.config import ModelConfig, check_layer_subset
 from specserve.model.flat_batch import FlatBatch
+from specserve.model.hugepages import HugeArena
 from specserve.model.llama import RotaryEmbedding, check_aux_layers
 
 # What --quantization asks for a float weight, and the format a weight without a kernel of its
@@ -270,9 +271,10 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
 
     packed_bytes = []
     formats: set[str] = set()
+    arena = HugeArena()  # every pass streams the units: in huge pages (model/hugepages.py)
 
     def qmatrix(b: Blocks, bias: torch.Tensor | None = None):
-        units = ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols)
+        units = arena.hold(ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols))
         packed_bytes.append(units.numel())
         formats.add(b.format.name)
         return ext.QMatrix(int(b.format), units, b.rows, b.cols, bias)
@@ -323,7 +325,8 @@ def build_native_model(cfg: ModelConfig, weights: dict[str, Weight], quantizatio
     # quantized to: drafters fingerprint them), sharing the output projection's units when it
     # is the same tensor unchanged.
     if isinstance(embed, Blocks) and embed.on_kernels(ext):
-        units = lm_head.units if head is embed else ext.repack(int(embed.format), torch.from_numpy(embed.raw), embed.cols)
+        units = lm_head.units if head is embed else arena.hold(ext.repack(int(embed.format), torch.from_numpy(embed.raw),
+                                                                           embed.cols))
         embed_tokens = PackedRows(ext, embed.format, units, cfg.vocab_size, cfg.hidden_size)
     else:
         embed_tokens = nn.Embedding.from_pretrained(embed.dequantized() if isinstance(embed, Blocks) else embed.float(),

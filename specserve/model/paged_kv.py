@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from specserve.model.hugepages import HugeArena
+
 
 class PagedKVCache:
     """Per-layer K and V pools of fixed-size blocks, shared by all requests.
@@ -42,8 +44,14 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.trash_block = num_blocks
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":
+            # Long contexts stream these pools every pass, as one-token passes stream the
+            # weights: in huge pages too (model/hugepages.py), zeroed now as torch.zeros did.
+            arena = HugeArena()
+            self.k, self.v = arena.zeros(shape, dtype), arena.zeros(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Per-layer flat views [slots, Hkv, D] that writes index, made once (view ops cost
         # microseconds each at this model size, see llama.py).
         self.k_slots = [kl.flatten(0, 1) for kl in self.k]

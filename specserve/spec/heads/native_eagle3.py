@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from specserve.errors import ModelLoadError
+from specserve.model.hugepages import HugeArena
 from specserve.model.native_llama import Blocks, as_blocks, kernel_formats
 from specserve.spec.heads.eagle3 import Eagle3Head
 from specserve.spec.heads.eagle3_config import Eagle3Config
@@ -59,6 +60,7 @@ class NativeEagle3Drafter:
             raise ModelLoadError(f"EAGLE-3 drafter: no native kernel computes on {fmt.name}")
         params = dict(head.named_parameters())
         matrices = {}
+        arena = HugeArena()  # each drafting depth streams the head and the layer (model/hugepages.py)
         for name in ("fc.weight", "layer.q_proj.weight", "layer.k_proj.weight", "layer.v_proj.weight",
                      "layer.o_proj.weight", "layer.gate_proj.weight", "layer.up_proj.weight",
                      "layer.down_proj.weight", "lm_head.weight"):
@@ -68,7 +70,7 @@ class NativeEagle3Drafter:
             elif b.rows % _UNIT_ROWS:
                 raise ModelLoadError(f"EAGLE-3 drafter: {name} has {b.rows} rows; the native kernels need a "
                                      f"multiple of {_UNIT_ROWS}")
-            units = ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols)
+            units = arena.hold(ext.repack(int(b.format), torch.from_numpy(b.raw), b.cols))
             matrices[name] = ext.QMatrix(int(b.format), units, b.rows, b.cols)
 
         def vector(name: str) -> torch.Tensor:
