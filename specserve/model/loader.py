@@ -12,6 +12,7 @@ import torch
 
 from specserve.errors import InvalidParameterError, ModelLoadError
 from specserve.hardware import Isa, bf16_notice, choose_quantization, native_level, torch_path
+from specserve.model import hugepages
 from specserve.model.config import ModelConfig
 from specserve.model.gguf_loader import gguf_weights, is_quantized, load_gguf_model, open_gguf, read_gguf_config
 from specserve.model.hf_loader import hf_tensors, load_hf_model, read_hf_config
@@ -212,7 +213,8 @@ def load_model(model: str | Path | None = None, dtype: str | torch.dtype = "auto
         level = native_level()
         net = build_native_model(cfg, weights, mode, native.load(), level,
                                  permute_qk=reader is not None and cfg.architecture == "llama", positions=positions)
-        kernels = f"native kernels on {net.description} blocks ({mode}), CPU path {Isa(level).label}"
+        kernels = (f"native kernels on {net.description} blocks ({mode}), CPU path {Isa(level).label}, "
+                   f"{hugepages.describe()}")
         return LoadedModel(model=net, tokenizer=tokenizer, config=cfg, path=path, name=name, kernels=kernels)
     if reader is None:
         net = load_hf_model(path, cfg, torch_dtype, dev, positions)
