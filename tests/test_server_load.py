@@ -153,10 +153,23 @@ def test_bench_serve_compares_servers_side_by_side_at_each_level(server, tiny, t
     assert table[0].split()[:4] == ["server", "conc", "tok/s", "ratio"] and table[0].endswith("client ms/tok")
     assert [line.split()[0] for line in table[1:]] == ["one", "again", "started"] * 2
     assert table[1].split()[3] == "1.00x"
-    assert json.loads(out_json.read_text())["distinct_prompts"] is False
+    doc = json.loads(out_json.read_text())
+    assert doc["distinct_prompts"] is False
+    # Each server's KV pool as its /metrics says: the same server twice, the same pool.
+    assert doc["kv_blocks"]["one"] == doc["kv_blocks"]["again"] > 0 and doc["kv_blocks"]["started"] > 0
     started_url = next(r["url"] for r in runs if r["server"] == "started")
     with pytest.raises(httpx.HTTPError):  # stopped when done
         httpx.get(f"{started_url}/v1/models", timeout=2)
+
+
+def test_servers_with_unequal_kv_pools_are_named():
+    """Servers started side by side size their pools from the memory each found free: a
+    comparison under load then says which hold less, and how to even them."""
+    from specserve.bench.serve_load import pool_warning
+
+    assert pool_warning({}) is None and pool_warning({"plain": 16384, "ngram": 16384}) is None
+    line = pool_warning({"plain": 16384, "ngram": 16384, "eagle3+suffix": 2767})
+    assert "plain 16384, ngram 16384, eagle3+suffix 2767 blocks" in line and "--num-kv-blocks" in line
 
 
 def test_bench_serve_refuses_bad_peers_and_levels(server, capsys):

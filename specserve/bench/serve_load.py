@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -120,6 +121,7 @@ class Server:
     model: str = ""
     process: subprocess.Popen | None = field(default=None, repr=False)
     log: str | None = None  # where a started server's output goes
+    kv_blocks: int | None = None  # its KV pool as its /metrics reports it (None: not reported)
 
     def start(self) -> None:
         """Start the command on a free port and wait until /v1/models answers."""
@@ -296,6 +298,32 @@ def _model_of(server: Server, asked: str | None, headers: dict) -> str:
     return asked or models[0]["id"]
 
 
+def _kv_blocks(server: Server, headers: dict) -> int | None:
+    """The KV pool's blocks a server reports on /metrics (vllm:cache_config_info's num_gpu_blocks,
+    which vLLM and specserve both export), or None where it reports none."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{server.url}/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
+def pool_warning(pools: dict[str, int]) -> str | None:
+    """A line for servers whose KV pools differ (name -> blocks), else None. Servers started side
+    by side each size their pool from the memory free when they start, so the later ones get
+    less, and at high concurrency a smaller pool queues requests: a comparison of methods, not
+    of servers, then measures the order they were started in."""
+    if len(set(pools.values())) < 2:
+        return None
+    listed = ", ".join(f"{name} {blocks}" for name, blocks in pools.items())
+    return (f"bench-serve: the servers hold KV pools of different sizes ({listed} blocks): a server sizes its pool "
+            f"from the memory free when it starts, so under load a smaller one queues requests; give every "
+            f"command the same --num-kv-blocks to compare them at high concurrency")
+
+
 def level_prompts(pool: list[str], num_requests: int, num_levels: int, distinct: bool) -> list[list[str]]:
     """Each level's prompts: the pool's first num_requests (cycled) at every level, or with
     `distinct` prompts of each level's own, every num_levels-th of the pool from the level's
@@ -334,7 +362,12 @@ def run_bench_serve(args) -> int:
         for s in servers:
             s.start()
             s.model = _model_of(s, args.model if s is servers[0] else None, headers)
-            print(f"bench-serve: {s.name} at {s.url} model {s.model}", file=sys.stderr)
+            s.kv_blocks = _kv_blocks(s, headers)
+            pool = "" if s.kv_blocks is None else f", KV pool {s.kv_blocks} blocks"
+            print(f"bench-serve: {s.name} at {s.url} model {s.model}{pool}", file=sys.stderr)
+        pools = {s.name: s.kv_blocks for s in servers if s.kv_blocks is not None}
+        if warning := pool_warning(pools):
+            print(warning, file=sys.stderr)
         print(f"bench-serve: {args.num_requests} {kind} chat requests at concurrency {', '.join(map(str, levels))}, "
               f"max_tokens {args.max_tokens}, temperature {args.temperature}", file=sys.stderr)
         for i, level in enumerate(levels):
@@ -354,5 +387,6 @@ def run_bench_serve(args) -> int:
         print(f"  failed: {f}", file=sys.stderr)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": [asdict(r) for r in runs], "distinct_prompts": args.distinct_prompts}, f, indent=2)
+            json.dump({"runs": [asdict(r) for r in runs], "distinct_prompts": args.distinct_prompts,
+                       "kv_blocks": {s.name: s.kv_blocks for s in servers}}, f, indent=2)
     return 0 if all(r.num_failed == 0 for r in runs) else 1

@@ -102,8 +102,7 @@ class HugeArena:
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled CPU tensor of `shape` in huge-page space (torch.zeros where not used),
         written now as torch.zeros writes it: a page first touched inside a pass would cost that
-        pass its clearing (a KV pool left to be backed as blocks were first written made prompt
-        passes ~9% slower in `specserve bench`)."""
+        pass the clearing of 2 MiB (a KV pool backed only as its blocks are first written)."""
         numel = 1
         for n in shape:
             numel *= n
