@@ -314,14 +314,14 @@ def _kv_blocks(server: Server, headers: dict) -> int | None:
 def pool_warning(pools: dict[str, int]) -> str | None:
     """A line for servers whose KV pools differ (name -> blocks), else None. Servers started side
     by side each size their pool from the memory free when they start, so the later ones get
-    less, and at high concurrency a smaller pool queues requests: a comparison of methods, not
-    of servers, then measures the order they were started in."""
+    less, and at high concurrency a smaller pool queues requests: a comparison of methods then
+    partly measures the order the servers were started in."""
     if len(set(pools.values())) < 2:
         return None
     listed = ", ".join(f"{name} {blocks}" for name, blocks in pools.items())
     return (f"bench-serve: the servers hold KV pools of different sizes ({listed} blocks): a server sizes its pool "
             f"from the memory free when it starts, so under load a smaller one queues requests; give every "
-            f"command the same --num-kv-blocks to compare them at high concurrency")
+            f"command the same pool (specserve's --num-kv-blocks) to compare them at high concurrency")
 
 
 def level_prompts(pool: list[str], num_requests: int, num_levels: int, distinct: bool) -> list[list[str]]:
