@@ -66,9 +66,8 @@ def read_bandwidth_gbs(size_mib: int = 1024, rounds: int = 5) -> float:
     """Streaming read bandwidth with torch's threads (GB/s, the best of `rounds`): a sum over a
     buffer far larger than any cache, which reads every byte once per round."""
     # The pages the weights live in (model/hugepages.py), so that a pass's fraction of this
-    # compares like with like.
+    # compares like with like; zeros writes every page before the timing.
     buf = HugeArena().zeros((size_mib * 2**20 // 4,), torch.float32)
-    buf.fill_(1.0)  # pages touched before timing
     best = float("inf")
     for _ in range(rounds):
         t = time.perf_counter()

@@ -20,6 +20,7 @@ allocator: `hold` returns the tensor as it is. Whether the kernel grants the pag
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -99,16 +100,15 @@ class HugeArena:
         out.copy_(t)
         return out
 
-    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zero-filled CPU tensor of `shape` in huge-page space (torch.zeros where not used),
-        written now as torch.zeros writes it: a page first touched inside a pass would cost that
-        pass the clearing of 2 MiB (a KV pool backed only as its blocks are first written)."""
-        numel = 1
-        for n in shape:
-            numel *= n
-        if not enabled() or numel == 0:
-            return torch.zeros(shape, dtype=dtype)
-        raw = self._take(numel * torch.empty(0, dtype=dtype).element_size())
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zero-filled tensor of `shape`, on the CPU in huge-page space (torch.zeros elsewhere
+        or where not used), written now as torch.zeros writes it: a page first touched inside a
+        pass would cost that pass the clearing of 2 MiB (a KV pool backed only as its blocks are
+        first written)."""
+        numel = math.prod(shape)
+        if not enabled() or torch.device(device).type != "cpu" or numel == 0:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        raw = self._take(numel * dtype.itemsize)
         return torch.zeros(shape, dtype=dtype) if raw is None else raw.view(dtype).view(shape).zero_()
 
 

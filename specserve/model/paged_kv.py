@@ -44,14 +44,10 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.trash_block = num_blocks
         shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        if torch.device(device).type == "cpu":
-            # Long contexts stream these pools every pass, as one-token passes stream the
-            # weights: in huge pages too (model/hugepages.py), zeroed now as torch.zeros did.
-            arena = HugeArena()
-            self.k, self.v = arena.zeros(shape, dtype), arena.zeros(shape, dtype)
-        else:
-            self.k = torch.zeros(shape, dtype=dtype, device=device)
-            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Long contexts stream these pools every pass, as one-token passes stream the weights:
+        # on the CPU in huge pages too (model/hugepages.py).
+        arena = HugeArena()
+        self.k, self.v = arena.zeros(shape, dtype, device), arena.zeros(shape, dtype, device)
         # Per-layer flat views [slots, Hkv, D] that writes index, made once (view ops cost
         # microseconds each at this model size, see llama.py).
         self.k_slots = [kl.flatten(0, 1) for kl in self.k]

@@ -12,29 +12,14 @@ double race_score(float p, uint64_t k) {
 
 namespace {
 
-int64_t race_top_generic(const float* p, int64_t v) {
-  int64_t top = 0;
-  for (int64_t i = 1; i < v; ++i)
-    if (p[i] > p[top]) top = i;
-  return top;
-}
-
 void race_scan_generic(const float* p, int64_t v, uint64_t key, int64_t skip, RaceBest& best) {
-  double threshold = race_threshold(best.score);
-  for (int64_t i = 0; i < v; ++i) {
-    if (i == skip) continue;
-    const uint64_t k = race_bits(key, i);
-    if (static_cast<double>(p[i]) > threshold * race_one_minus_u(k)) {
-      race_consider(p, key, i, best);
-      threshold = race_threshold(best.score);
-    }
-  }
+  race_scan_scalar(p, 0, v, key, skip, best);
 }
 
 }  // namespace
 
 void race_rows(int level, const float* p, int64_t ld, int64_t n, int64_t v, const uint64_t* keys, int64_t* out) {
-  int64_t (*top_of)(const float*, int64_t) = race_top_generic;
+  int64_t (*top_of)(const float*, int64_t) = race_top_scalar;
   void (*scan)(const float*, int64_t, uint64_t, int64_t, RaceBest&) = race_scan_generic;
 #if defined(__x86_64__) || defined(_M_X64)
   if (level >= LEVEL_AVX512) {

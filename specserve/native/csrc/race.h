@@ -57,6 +57,24 @@ inline void race_consider(const float* p, uint64_t key, int64_t i, RaceBest& bes
 // The bound's threshold for a best score: a token needs p > threshold * (1 - u) to be scored.
 inline double race_threshold(double best) { return best * (1.0 - 1e-9); }
 
+// The index of the largest p among [0, v) (the first of equals), in plain C++.
+inline int64_t race_top_scalar(const float* p, int64_t v) {
+  int64_t top = 0;
+  for (int64_t i = 1; i < v; ++i)
+    if (p[i] > p[top]) top = i;
+  return top;
+}
+
+// The scan over tokens [from, v) skipping `skip` in plain C++: the generic level's whole scan, and
+// a SIMD level's tail.
+inline void race_scan_scalar(const float* p, int64_t from, int64_t v, uint64_t key, int64_t skip, RaceBest& best) {
+  for (int64_t i = from; i < v; ++i) {
+    if (i == skip) continue;
+    if (static_cast<double>(p[i]) > race_threshold(best.score) * race_one_minus_u(race_bits(key, i)))
+      race_consider(p, key, i, best);
+  }
+}
+
 // The race of rows [0, n) of p (row stride ld, v tokens each) with keys[b]: out[b] the winner.
 void race_rows(int level, const float* p, int64_t ld, int64_t n, int64_t v, const uint64_t* keys, int64_t* out);
 

@@ -24,12 +24,7 @@ inline __m512i mix8(__m512i z) {
 }  // namespace
 
 int64_t race_top(const float* p, int64_t v) {
-  if (v < 16) {
-    int64_t top = 0;
-    for (int64_t i = 1; i < v; ++i)
-      if (p[i] > p[top]) top = i;
-    return top;
-  }
+  if (v < 16) return race_top_scalar(p, v);
   __m512 m = _mm512_loadu_ps(p);
   int64_t i = 16;
   for (; i + 16 <= v; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(p + i));
@@ -62,11 +57,7 @@ void race_scan(const float* p, int64_t v, uint64_t key, int64_t skip, RaceBest& 
     }
     threshold = _mm512_set1_pd(race_threshold(best.score));
   }
-  for (; i < v; ++i) {
-    if (i == skip) continue;
-    if (static_cast<double>(p[i]) > race_threshold(best.score) * race_one_minus_u(race_bits(key, i)))
-      race_consider(p, key, i, best);
-  }
+  race_scan_scalar(p, i, v, key, skip, best);
 }
 
 }  // namespace specserve::avx512
