@@ -5,6 +5,7 @@ request completed or was aborted, no KV block is left referenced, and the server
 import asyncio
 import json
 import random
+import sys
 
 import httpx
 import pytest
@@ -94,8 +95,11 @@ def test_64_concurrent_streams_with_hang_ups_leak_nothing(server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-def test_bench_serve_measures_a_running_server(server, tmp_path, capsys):
+def test_bench_serve_measures_a_running_server(server, tmp_path, capsys, monkeypatch):
     from specserve.cli import main
+
+    # httpx comes with the test extra only: bench-serve must not need it.
+    monkeypatch.setitem(sys.modules, "httpx", None)
 
     workload = tmp_path / "prompts.jsonl"
     workload.write_text("\n".join(json.dumps({"turns": [f"t{i} t{i + 1} t{i + 2}"]}) for i in range(2, 12)))
@@ -133,8 +137,6 @@ def test_bench_serve_compares_servers_side_by_side_at_each_level(server, tiny, t
     """The running server, the same one again as a named peer, and a `specserve serve` the
     command starts on a port of its choosing (and stops): each answers the same requests at
     each level, and one table compares them."""
-    import sys
-
     from specserve.cli import main
 
     workload = tmp_path / "prompts.jsonl"
