@@ -185,3 +185,33 @@ def test_bench_serve_refuses_bad_peers_and_levels(server, capsys):
     assert "comma list" in capsys.readouterr().err
     assert main(["bench-serve", "--peer-command", "dead=false", "--url", server.url]) == 2
     assert "exited with 1 before answering" in capsys.readouterr().err
+
+
+def test_bench_serve_survives_a_server_that_closes_kept_alive_connections():
+    """llama-server closes a connection after a streamed answer without `Connection: close`;
+    a client reusing it failed every second request as it wrote it. Each request gets a
+    connection of its own."""
+    from specserve.bench.serve_load import run_load
+
+    events = [{"choices": [{"delta": {"content": f"w{i}"}}]} for i in range(3)]
+    events.append({"choices": [], "usage": {"completion_tokens": 3}})
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {len(body)}\r\n\r\n"
+                     f"{body}".encode())
+        await writer.drain()
+        writer.close()  # kept alive by HTTP/1.1's default, closed all the same
+
+    async def run() -> list:
+        server = await asyncio.start_server(answer_once, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            timings, _, _ = await run_load(f"http://127.0.0.1:{port}", "m", ["a", "b", "c", "d"], 1, 3, 0.0, None)
+        return timings
+
+    timings = asyncio.run(run())
+    assert [t.error for t in timings if not t.ok] == [] and [t.output_tokens for t in timings] == [3] * 4

@@ -261,9 +261,12 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, m
             timings.append(await one_request(session, url, body))
 
     # No limit on a whole request (one may queue behind many); 600 s without a byte is a failure.
+    # A connection per request: llama-server closes a kept-alive connection after a streamed
+    # answer without saying so, and a reused one then fails the next request as it is written
+    # (half of them, at every level); a connect costs ~0.1 ms against a request's hundreds.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=600, sock_read=600)
-    async with aiohttp.ClientSession(timeout=timeout, headers=headers,
-                                     connector=aiohttp.TCPConnector(limit=concurrency + 4)) as session:
+    connector = aiohttp.TCPConnector(limit=concurrency + 4, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers, connector=connector) as session:
         start, cpu = time.perf_counter(), time.thread_time()
         await asyncio.gather(*[worker(session) for _ in range(concurrency)])
         wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
