@@ -161,11 +161,15 @@ class Server:
         self.process = None
 
 
+# Straight to the servers, as the load client goes (aiohttp reads no proxy settings by default).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _get(url: str, headers: dict, timeout: float) -> bytes:
     """GET url -> the body; OSError (urllib's URLError and HTTPError among them) when the
     server does not answer, or answers other than 200."""
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
+        with _DIRECT.open(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
             return r.read()
     except http.client.HTTPException as e:  # something not speaking HTTP answered
         raise OSError(f"{type(e).__name__}: {e}") from e
