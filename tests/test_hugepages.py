@@ -39,12 +39,16 @@ def test_hold_copies_into_aligned_shared_space(monkeypatch):
     monkeypatch.delenv(HUGEPAGES_ENV, raising=False)
     arena = HugeArena(chunk=4 * HUGE_PAGE)
     a, b = torch.randn(100, 3), torch.arange(7, dtype=torch.int16)
+    # Where torch's allocator put the source is the process's business (a library that advised
+    # part of the heap once leaves it so: make test saw torch's heap advised); holding it must
+    # not change it.
+    source_advised = advised(a.data_ptr())
     ha, hb = arena.hold(a), arena.hold(b)
     assert torch.equal(ha, a) and torch.equal(hb, b)
     assert (ha.dtype, ha.shape, hb.dtype, hb.shape) == (a.dtype, a.shape, b.dtype, b.shape)
     assert ha.is_contiguous() and ha.data_ptr() % HUGE_PAGE == 0  # a fresh mapping starts on a huge page
     assert hb.data_ptr() - ha.data_ptr() == -(-a.numel() * 4 // ALIGN) * ALIGN  # the next 64 bytes on
-    assert ha.data_ptr() != a.data_ptr() and advised(ha.data_ptr()) and not advised(a.data_ptr())
+    assert ha.data_ptr() != a.data_ptr() and advised(ha.data_ptr()) and advised(a.data_ptr()) == source_advised
     ha.add_(1.0)  # a copy: the source is untouched
     assert torch.equal(ha, a + 1.0)
 
@@ -114,5 +118,9 @@ def test_weights_in_huge_pages_compute_the_same_bits(monkeypatch, tmp_path):
         runner = ModelRunner.paged(loaded.model, num_blocks=4, block_size=16)
         out[flag] = runner.execute(ForwardBatch(token_ids=[ids], locations=[[0]], start_positions=[0],
                                                 all_logits=True))
-        assert advised(loaded.model.parts.lm_head.units.data_ptr()) == (flag == "1")
+        units = loaded.model.parts.lm_head.units
+        if flag == "1":
+            assert advised(units.data_ptr())
+        else:  # torch's own allocation (whether its heap is advised is not ours to say), not a mapping's view
+            assert units.untyped_storage().resizable()
     assert torch.equal(out["0"].view(torch.int32), out["1"].view(torch.int32))

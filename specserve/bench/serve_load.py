@@ -245,8 +245,8 @@ async def run_load(url: str, model: str, prompts: list[str], concurrency: int, m
     """Each request's timing, the wall time, and the CPU time this thread (the client's event
     loop) spent on them. The client is aiohttp, as vLLM's serving benchmark's: on a machine
     whose cores the server uses too, the client's own time per streamed token is taken from
-    the server (AMD EPYC, 2 cores, 12-16 streamed answers of 128 tokens: 0.21-0.32 ms a
-    token in seven runs, against 0.38-0.53 with httpx's line iterator)."""
+    the server (AMD EPYC, 2 cores, 12-16 streamed answers of 128 tokens: 0.21-0.37 ms a
+    token, median ~0.27, against 0.39-0.53 with httpx's line iterator)."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
