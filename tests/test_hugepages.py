@@ -39,9 +39,10 @@ def test_hold_copies_into_aligned_shared_space(monkeypatch):
     monkeypatch.delenv(HUGEPAGES_ENV, raising=False)
     arena = HugeArena(chunk=4 * HUGE_PAGE)
     a, b = torch.randn(100, 3), torch.arange(7, dtype=torch.int16)
-    # Where torch's allocator put the source is the process's business (a library that advised
-    # part of the heap once leaves it so: make test saw torch's heap advised); holding it must
-    # not change it.
+    # Where torch's allocator put the source is the process's business: numpy advises the large
+    # arrays it allocates for huge pages, and where malloc served one from the heap that part of
+    # the heap stays advised, small tensors landing there later (make test saw it); holding the
+    # source must not change its state.
     source_advised = advised(a.data_ptr())
     ha, hb = arena.hold(a), arena.hold(b)
     assert torch.equal(ha, a) and torch.equal(hb, b)
@@ -121,6 +122,6 @@ def test_weights_in_huge_pages_compute_the_same_bits(monkeypatch, tmp_path):
         units = loaded.model.parts.lm_head.units
         if flag == "1":
             assert advised(units.data_ptr())
-        else:  # torch's own allocation (whether its heap is advised is not ours to say), not a mapping's view
+        else:  # torch's own allocation, not a mapping's view (whether the heap is advised: see above)
             assert units.untyped_storage().resizable()
     assert torch.equal(out["0"].view(torch.int32), out["1"].view(torch.int32))
