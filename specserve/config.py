@@ -31,7 +31,7 @@ class _AutoMax(dict):
 AUTO_MAX_SPECULATIVE_TOKENS: dict[str, int] = _AutoMax()
 # The keys every method takes; the rest of a flat speculative_config belongs to the method's options.
 SHARED_KEYS = ("method", "num_speculative_tokens", "max_speculative_tokens", "model", "acceptance_method",
-               "posterior_threshold", "posterior_alpha")
+               "posterior_threshold", "posterior_alpha", "disable_by_batch_size")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,11 @@ class SpeculativeConfig:
     acceptance_method: str = "rejection_sampler"
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
+    # vLLM's: no drafting in a step whose batch holds at least this many running requests (None:
+    # never off). The planner already stops drafts that do not pay; this is a hard bound for
+    # loads where a drafter's own upkeep costs (EAGLE-3's catch-ups and probes: ~1 ms a drafting
+    # step at 16 in flight on the 2-core CPU, docs/figures.md). The output is the same either way.
+    disable_by_batch_size: int | None = None
     # The method's own options (its MethodSpec.options_cls); None: its defaults.
     options: Any = None
 
@@ -77,6 +82,10 @@ class SpeculativeConfig:
                                         "applies with num_speculative_tokens='auto' only (a fixed k is its own cap)")
         if spec.needs_model and not self.model:
             raise InvalidParameterError("speculative_config.model", self.model, spec.needs_model)
+        n = self.disable_by_batch_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+            raise InvalidParameterError("disable_by_batch_size", n, "must be an integer >= 2 (running requests at which "
+                                        "drafting stops), or None")
         if self.acceptance_method not in ACCEPTANCE_METHODS:
             raise InvalidParameterError("acceptance_method", self.acceptance_method, f"must be one of {', '.join(ACCEPTANCE_METHODS)}")
         for name in ("posterior_threshold", "posterior_alpha"):

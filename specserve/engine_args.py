@@ -23,6 +23,8 @@ LOOKUP_KEYS = ("prompt_lookup_max", "prompt_lookup_min")
 TREE_KEYS = ("num_draft_nodes", "draft_topk", "enable_suffix_decoding", "suffix_threshold")
 SUFFIX_KEYS = ("suffix_tree_depth", "suffix_cache_tokens", "suffix_spec_factor", "suffix_min_token_prob")
 TYPICAL_KEYS = ("acceptance_method", "posterior_threshold", "posterior_alpha")
+# speculative_config keys every method takes that flags set (besides the method, model and k).
+SHARED_FLAG_KEYS = (*TYPICAL_KEYS, "disable_by_batch_size")
 SELF_SPEC_KEYS = ("skip_layers",)
 LOOKAHEAD_KEYS = ("lookahead_window", "lookahead_ngram", "lookahead_candidates")
 # Every method's own keys that a command-line flag sets (generate, serve and bench take them all).
@@ -79,6 +81,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "Default: rejection_sampler, lossless")
     p.add_argument("--posterior-threshold", type=float, default=None, help="typical acceptance: probability bar (0.09)")
     p.add_argument("--posterior-alpha", type=float, default=None, help="typical acceptance: entropy-scaled bar (0.3)")
+    p.add_argument("--speculative-disable-by-batch-size", dest="disable_by_batch_size", type=int, default=None,
+                   metavar="N", help="no drafting while N or more requests run (vLLM's disable_by_batch_size; "
+                                     "default: the engine's cost model alone decides)")
 
 
 def add_lookup_args(p: argparse.ArgumentParser) -> None:
@@ -191,7 +196,7 @@ def given(args: argparse.Namespace, keys: tuple[str, ...]) -> dict:
 def speculative_config(args: argparse.Namespace, file: dict) -> dict | None:
     """generate's and serve's speculative_config (None: no speculation)."""
     flags = {"method": args.speculative, "model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
-    flags = {k: v for k, v in flags.items() if v is not None} | given(args, FLAG_KEYS + TYPICAL_KEYS)
+    flags = {k: v for k, v in flags.items() if v is not None} | given(args, FLAG_KEYS + SHARED_FLAG_KEYS)
     return merge_speculative(flags, file.get("speculative_config"))
 
 
@@ -204,7 +209,7 @@ def merge_speculative(flags: dict, base: dict | None) -> dict | None:
     if method == "none":
         return None
     cfg = dict(base) if base is not None and base.get("method") == method else {"method": method}
-    keys = ("num_speculative_tokens", *TYPICAL_KEYS, *method_keys(method))
+    keys = ("num_speculative_tokens", *SHARED_FLAG_KEYS, *method_keys(method))
     cfg.update({k: v for k, v in flags.items() if k in keys})
     cfg.setdefault("num_speculative_tokens", AUTO)
     return cfg

@@ -93,7 +93,8 @@ class LLM:
         typical = (TypicalAcceptance(self.spec_config.posterior_threshold, self.spec_config.posterior_alpha)
                    if self.spec_config and self.spec_config.lossy else None)
         self.engine = LLMEngine(self.target, self.engine_config, proposer, k, typical_acceptance=typical,
-                                adaptive=bool(self.spec_config and self.spec_config.adaptive))
+                                adaptive=bool(self.spec_config and self.spec_config.adaptive),
+                                disable_by_batch_size=self.spec_config.disable_by_batch_size if self.spec_config else None)
         self.tokenizer = self.target.tokenizer
         self._ids = itertools.count()
 

@@ -301,6 +301,14 @@ def test_auto_is_the_default_with_a_cap_per_method():
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "max_speculative_tokens": 8})
 
 
+def test_disable_by_batch_size_is_checked():
+    assert SpeculativeConfig.from_dict({"method": "ngram"}).disable_by_batch_size is None
+    assert SpeculativeConfig.from_dict({"method": "suffix", "disable_by_batch_size": 8}).disable_by_batch_size == 8
+    for bad in (1, 0, True, 2.5, "4"):
+        with pytest.raises(InvalidParameterError, match="disable_by_batch_size.*integer >= 2"):
+            SpeculativeConfig.from_dict({"method": "ngram", "disable_by_batch_size": bad})
+
+
 # ---- the engine -------------------------------------------------------------------------------
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -506,3 +514,19 @@ def test_steps_take_exactly_the_drafts_the_planner_chose(tiny, monkeypatch):
         engine.step()
     assert req.finished and taken == drafted
     assert max(taken) <= 1 and taken.count(0) > len(taken) // 2
+
+
+def test_disable_by_batch_size_drafts_only_while_fewer_requests_run(tiny, monkeypatch):
+    """vLLM's disable_by_batch_size: no drafting for a step while that many requests run, drafts
+    again once fewer do (here the long request alone at the end); the output is plain's."""
+    prompts = tiny_prompts(3)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 6, 30)]
+    llm = LLM(loaded=tiny["loaded"], max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2})
+    running = []  # requests running at each proposal
+    draft = llm.engine._draft
+    monkeypatch.setattr(llm.engine, "_draft", lambda batch: running.append(len(llm.engine.scheduler.running)) or draft(batch))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [alone(tiny, [p], q)[0] for p, q in zip(prompts, params)]
+    assert running and max(running) == 1  # drafted, and only with one request left
+    assert_all_blocks_free(llm)

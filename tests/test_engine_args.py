@@ -111,6 +111,15 @@ def test_the_step_time_bound_is_a_flag_checked_at_the_edge(command):
     assert EngineConfig(max_model_len=64, max_num_seqs=1).max_step_ms == DEFAULT_MAX_STEP_MS
 
 
+def test_speculation_off_by_batch_size_is_a_flag_every_method_takes(tmp_path):
+    _, spec, _ = resolve("serve", "--speculative", "suffix", "--speculative-disable-by-batch-size", "8")
+    assert spec == {"method": "suffix", "num_speculative_tokens": "auto", "disable_by_batch_size": 8}
+    _, spec, _ = resolve("serve", "--config", write(tmp_path, TUNED), "--speculative-disable-by-batch-size", "4")
+    assert spec == {**TUNED["speculative_config"], "disable_by_batch_size": 4}  # over the file's, key by key
+    with pytest.raises(InvalidParameterError, match="disable_by_batch_size=1: must be an integer >= 2"):
+        LLM(loaded=None, speculative_config={"method": "ngram", "disable_by_batch_size": 1})
+
+
 def test_a_null_speculative_config_means_plain_decoding(tmp_path):
     _, spec, _ = resolve("generate", "hi", "--config", write(tmp_path, {"speculative_config": None}),
                          "--num-speculative-tokens", "4")

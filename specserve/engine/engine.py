@@ -90,10 +90,13 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, target: LoadedModel, config: EngineConfig, proposer: Proposer | None = None,
                  num_speculative_tokens: int = 0, typical_acceptance: TypicalAcceptance | None = None,
-                 adaptive: bool = False, cost_model: PassCostModel | None = None):
+                 adaptive: bool = False, cost_model: PassCostModel | None = None,
+                 disable_by_batch_size: int | None = None):
         """num_speculative_tokens: k, or with `adaptive` the most a request may draft per step
         (the planner chooses 0..k each step from `cost_model`, measured here when not given).
-        The same cost model bounds each step's prompt chunks when config.max_step_ms is set."""
+        The same cost model bounds each step's prompt chunks when config.max_step_ms is set.
+        disable_by_batch_size: no drafting while at least that many requests run
+        (SpeculativeConfig.disable_by_batch_size)."""
         self.target = target
         # Set: sampled requests verify drafts with the typical rule (lossy, opt-in); chains are
         # then verified as one-path trees.
@@ -102,6 +105,7 @@ class LLMEngine:
         self.config = config
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer else 0
+        self.disable_by_batch_size = disable_by_batch_size
         self.keep_hidden = bool(proposer and proposer.needs_hidden_states)
         self.hidden_layers = tuple(proposer.hidden_layers) if self.keep_hidden else ()
         self.keep_predictions = bool(proposer and proposer.needs_node_predictions)
@@ -411,6 +415,8 @@ class LLMEngine:
         one-path trees. Proposers start tracking a request on its first proposal. A batch the
         proposer fails on is drafted again request by request, failing only the one it fails for."""
         self._drafting_s, self._probe_drafted = 0.0, False
+        if self.disable_by_batch_size is not None and len(self.scheduler.running) >= self.disable_by_batch_size:
+            return  # the next step decodes plainly (a proposer tracking hidden states still gets them)
         mml = self.config.max_model_len
         rows = [s for s in scheduled if s.samples and not s.request.finished and s.request.num_speculative_tokens > 0]
         if not rows:
