@@ -199,6 +199,11 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+async def _refused(r) -> RequestTiming:
+    """A failed request's timing from an answer other than 200: its status and the start of its body."""
+    return RequestTiming(False, error=f"HTTP {r.status}: {(await r.read())[:200]!r}")
+
+
 async def one_request(session, url: str, body: dict) -> RequestTiming:
     if not body["stream"]:
         return await _whole_request(session, url, body)
@@ -208,7 +213,7 @@ async def one_request(session, url: str, body: dict) -> RequestTiming:
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
             if r.status != 200:
-                return RequestTiming(False, error=f"HTTP {r.status}: {(await r.read())[:200]!r}")
+                return await _refused(r)
             async for line in r.content:  # the stream's lines, b"\n" ended
                 if not line.startswith(b"data: {"):
                     continue
@@ -233,7 +238,7 @@ async def _whole_request(session, url: str, body: dict) -> RequestTiming:
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
             if r.status != 200:
-                return RequestTiming(False, error=f"HTTP {r.status}: {(await r.read())[:200]!r}")
+                return await _refused(r)
             tokens = json.loads(await r.read())["usage"]["completion_tokens"]
     except Exception as e:  # a load client reports failures, it does not stop on them
         return RequestTiming(False, error=repr(e))
